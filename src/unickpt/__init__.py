@@ -1,0 +1,50 @@
+"""unickpt: one checkpoint format for every PyTorch parallel layout.
+
+Save from any layout (single process, DDP, FSDP2, tensor parallel, explicit or flat shards),
+load into any other world size or layout, fast and safely.
+
+>>> import torch, unickpt
+>>> model = torch.nn.Linear(4, 2)
+>>> unickpt.save("/tmp/unickpt-doc/init", {"model": model}, overwrite=True)  # doctest: +ELLIPSIS
+SaveReport(...)
+"""
+
+from .api import async_save, load, save, wait_pending
+from .config import Config, get_config
+from .engine.futures import SaveFuture
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointLockedError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+    DistributedCheckpointError,
+    UnsafeObjectError,
+)
+from .layouts.leaves import FlatShard, PerRank, ShardedTensor
+
+from ._version import __version__
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointLockedError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointVersionError",
+    "Config",
+    "DistributedCheckpointError",
+    "FlatShard",
+    "PerRank",
+    "SaveFuture",
+    "ShardedTensor",
+    "UnsafeObjectError",
+    "async_save",
+    "get_config",
+    "load",
+    "save",
+    "wait_pending",
+]

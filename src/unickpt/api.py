@@ -1,0 +1,198 @@
+"""The public functions: save, load, async_save.
+
+All ranks of ``group`` (default: the world) call them together; in a single process no
+process group is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from .config import Config, get_config
+from .dist import Comm
+from .engine import saver
+from .engine.futures import SaveFuture
+from .engine.loader import LoadReport
+from .engine.loader import load as _load
+from .engine.staging import ARENA, snapshot
+from .engine.write import ItemSource
+from .storage.base import Storage
+from .storage.local import LocalStorage
+
+log = logging.getLogger(__name__)
+
+_PENDING: list[SaveFuture] = []
+_PENDING_LOCK = threading.Lock()
+
+
+def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
+    """The storage backend for a path (a local folder) or a ready-made backend."""
+    if isinstance(path, Storage):
+        return path
+    return LocalStorage(path)
+
+
+def save(
+    path: str | os.PathLike[str] | Storage,
+    state: dict[str, Any],
+    *,
+    group: Any = None,
+    allow_pickle: bool = False,
+    overwrite: bool = False,
+    config: Config | None = None,
+) -> saver.SaveReport:
+    """Save ``state`` to ``path``; durable and committed when it returns.
+
+    >>> import torch, unickpt
+    >>> model = torch.nn.Linear(4, 2)
+    >>> unickpt.save("/tmp/unickpt-doc/ckpt", {"model": model}, overwrite=True)  # doctest: +ELLIPSIS
+    SaveReport(...)
+    >>> unickpt.load("/tmp/unickpt-doc/ckpt", {"model": model})  # doctest: +ELLIPSIS
+    LoadReport(...)
+    """
+    wait_pending()
+    cfg = config or get_config()
+    comm = Comm(group, cfg.collective_timeout_s)
+    storage = storage_for(path)
+    prep = saver.prepare(comm, storage, state, allow_pickle, overwrite)
+    sources = [ItemSource(v) for v in prep.views]
+    return saver.write_and_commit(prep, storage, sources, cfg)
+
+
+def async_save(
+    path: str | os.PathLike[str] | Storage,
+    state: dict[str, Any],
+    *,
+    group: Any = None,
+    allow_pickle: bool = False,
+    background_snapshot: bool = False,
+    overwrite: bool = False,
+    config: Config | None = None,
+) -> SaveFuture:
+    """Snapshot ``state`` and return; write, fsync and commit go on in the background.
+
+    With ``background_snapshot=True`` the call returns at once and the snapshot itself runs in
+    the background; the next ``step()`` of any optimizer in ``state`` waits for it, so the
+    checkpoint holds the values of the moment of this call as long as tensors only change in
+    optimizer steps.
+
+    >>> fut = unickpt.async_save("ckpt/step-100", state)  # doctest: +SKIP
+    >>> ...  # train on
+    >>> fut.wait()  # doctest: +SKIP
+    """
+    wait_pending()
+    cfg = config or get_config()
+    fut = SaveFuture()
+    fut.path = str(path) if not isinstance(path, Storage) else path.location
+    comm = Comm(group, cfg.collective_timeout_s)
+    storage = storage_for(path)
+    prep = saver.prepare(comm, storage, state, allow_pickle, overwrite)
+    streamed = prep.nbytes > cfg.staging_budget_bytes
+    if streamed:
+        log.info("state (%d bytes) exceeds the staging budget; saving in the foreground",
+                 prep.nbytes)
+        report = saver.write_and_commit(prep, storage, [ItemSource(v) for v in prep.views], cfg)
+        fut.set_result(report)
+        fut.blocking_s = time.perf_counter() - fut.started_s
+        return fut
+
+    holder: list[list[ItemSource]] = []
+    if not background_snapshot:
+        holder.append(snapshot(prep.items, prep.views, ARENA))
+        fut.set_snapshot_done()
+    else:
+        _guard_optimizers(state, fut)
+
+    def work() -> None:
+        try:
+            if background_snapshot:
+                holder.append(snapshot(prep.items, prep.views, ARENA))
+                fut.set_snapshot_done()
+            fut.set_result(saver.write_and_commit(prep, storage, holder[0], cfg))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through wait()
+            if prep.release is not None and not fut.snapshot_done():
+                prep.release()
+            fut.set_exception(e)
+
+    with _PENDING_LOCK:
+        _PENDING.append(fut)
+    threading.Thread(target=work, name="unickpt-async-save", daemon=True).start()
+    fut.blocking_s = time.perf_counter() - fut.started_s
+    return fut
+
+
+def _guard_optimizers(state: dict[str, Any], fut: SaveFuture) -> None:
+    """Make the next step() of every optimizer in ``state`` wait for ``fut``'s snapshot."""
+    handles: list[Any] = []
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not fut.snapshot_done():
+            t0 = time.perf_counter()
+            fut.wait_snapshot()
+            fut.blocking_s += time.perf_counter() - t0
+        for h in handles:
+            h.remove()
+        handles.clear()
+
+    for opt in _optimizers(state):
+        handles.append(opt.register_step_pre_hook(hook))
+
+
+def _optimizers(state: Any) -> list[torch.optim.Optimizer]:
+    found = []
+    stack = [state]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.optim.Optimizer):
+            found.append(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return found
+
+
+def wait_pending() -> None:
+    """Wait for every asynchronous save this process started (saves are ordered)."""
+    with _PENDING_LOCK:
+        pending = list(_PENDING)
+        _PENDING.clear()
+    for fut in pending:
+        try:
+            fut.wait()
+        except Exception:  # noqa: BLE001 - the caller of that save sees it through its future
+            log.debug("an earlier asynchronous save failed", exc_info=True)
+
+
+def load(
+    path: str | os.PathLike[str] | Storage,
+    state: dict[str, Any],
+    *,
+    group: Any = None,
+    strict: bool = True,
+    allow_pickle: bool = False,
+    verify: bool | None = None,
+    config: Config | None = None,
+) -> LoadReport:
+    """Load the checkpoint at ``path`` into ``state`` in place, resharding as needed.
+
+    Tensors in ``state`` are filled, other leaves replaced, stateful objects (modules,
+    optimizers, schedulers, anything with ``load_state_dict``) get their loaded state.
+    ``strict=False`` loads the keys both have; ``verify=False`` skips checksums.
+    """
+    wait_pending()
+    cfg = config or get_config()
+    if verify is not None and verify != cfg.verify:
+        cfg = get_config(verify=verify)
+    comm = Comm(group, cfg.collective_timeout_s)
+    storage = storage_for(path)
+    try:
+        return _load(comm, storage, state, strict, allow_pickle, cfg)
+    finally:
+        storage.close()

@@ -1,0 +1,168 @@
+"""One benchmark job: spawn the ranks, build the state once, run the systems one after another.
+
+Run by the harness as ``python -m unickpt.bench.job ...`` (with the peers' interpreter for the
+peer systems). Rank 0 appends one JSON object per line to ``--results`` as soon as each part is
+measured, so a crash or a hang loses only the system that was running::
+
+    {"kind": "info", ...}      state size and model shape
+    {"kind": "hardware", ...}  see unickpt.bench.hardware
+    {"kind": "start", "name": ...}
+    {"kind": "system", ...}    one SystemResult
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import socket
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from unickpt.bench.hardware import measure_hardware
+from unickpt.bench.model import GPTConfig, TrainState, build_train_state, config_for_params
+from unickpt.bench.model import local_state_bytes
+from unickpt.bench.results import (
+    STATUS_ERROR,
+    STATUS_NOT_INSTALLED,
+    RankMeasurement,
+    SystemResult,
+    combine,
+)
+from unickpt.bench.runner import IterationBaseline, measure_baseline, measure_system
+from unickpt.bench.systems import CheckpointSystem, create_system
+from unickpt.bench.systems.registry import SYSTEMS_BY_NAME
+
+log = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m unickpt.bench.job")
+    parser.add_argument("--params", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--systems", required=True, help="comma-separated names")
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--results", type=Path, required=True)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--hardware", action="store_true")
+    parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class _Results:
+    """Rank 0's writer of the results file; a no-op on the other ranks."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path if dist.get_rank() == 0 else None
+
+    def write(self, kind: str, payload: dict[str, Any]) -> None:
+        if self._path is None:
+            return
+        with self._path.open("a") as handle:
+            handle.write(json.dumps({"kind": kind, **payload}) + "\n")
+
+
+def _agree(ok: bool, message: str) -> str:
+    """Collective: the first non-empty failure message of any rank, or "" when all succeeded."""
+    messages: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, "" if ok else message or "failed")
+    return next((m for m in messages if m), "")
+
+
+def _create(name: str) -> tuple[CheckpointSystem | None, str, str]:
+    try:
+        return create_system(name), "", ""
+    except ImportError as exc:
+        return None, STATUS_NOT_INSTALLED, str(exc)
+    except Exception as exc:
+        return None, STATUS_ERROR, f"{type(exc).__name__}: {exc}"
+
+
+def _run_system(
+    name: str, args: argparse.Namespace, state: TrainState, reshard: TrainState, base: IterationBaseline
+) -> SystemResult | None:
+    info = SYSTEMS_BY_NAME[name]
+    system, status, message = _create(name)
+    failure = _agree(system is not None, f"{status}|{message}")
+    if failure:
+        status, _, message = failure.partition("|")
+        return SystemResult(name, info.label, status, message)
+    assert system is not None
+    measurement: RankMeasurement | None = None
+    error = ""
+    try:
+        measurement = measure_system(system, args.workdir, state, reshard, base, not args.no_warmup)
+    except Exception as exc:
+        log.error("%s failed on rank %d:\n%s", name, dist.get_rank(), traceback.format_exc())
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        system.close()
+    failure = _agree(measurement is not None, error)
+    if failure:
+        return SystemResult(name, info.label, STATUS_ERROR, failure, system.notes)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, measurement)
+    return combine(name, info.label, system.notes, gathered)
+
+
+def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
+    logging.basicConfig(level=args.log_level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(args.world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=args.world)
+    try:
+        _run_rank(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_rank(args: argparse.Namespace) -> None:
+    results = _Results(args.results)
+    config: GPTConfig = config_for_params(args.params)
+    state = build_train_state(config, "shard0", args.seq_len)
+    reshard = build_train_state(config, "shard1", args.seq_len)
+    sizes = torch.tensor([local_state_bytes(state)], dtype=torch.int64)
+    dist.all_reduce(sizes)
+    results.write(
+        "info",
+        {"state_bytes": int(sizes.item()), "params": config.param_count, "model": dataclasses.asdict(config)},
+    )
+    if args.hardware:
+        hardware = measure_hardware(args.workdir, local_state_bytes(state))
+        results.write("hardware", hardware.to_dict())
+    base = measure_baseline(state)
+    log.info("iteration baseline: %s", base)
+    for name in args.systems.split(","):
+        results.write("start", {"name": name})
+        log.info("running %s", name)
+        result = _run_system(name, args, state, reshard, base)
+        if result is not None:
+            results.write("system", dataclasses.asdict(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_rank_main, args=(args, _free_port()), nprocs=args.world, start_method="spawn")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

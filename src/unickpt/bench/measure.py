@@ -1,0 +1,180 @@
+"""Counters read from /proc: I/O bytes and resident memory of this process and its children.
+
+Children matter: DCP's process executor and some peers write from helper processes. A child
+that exits and is reaped has its I/O folded into the parent's counters by the kernel.
+
+* ``write_bytes``: bytes this process tree dirtied in the page cache for storage (files on
+  tmpfs such as /dev/shm are not counted); collective traffic is not counted.
+* ``rchar``: bytes returned by read-type system calls, page-cache hits included; memory-mapped
+  reads are not counted, and neither is gloo's socket traffic (it uses recvmsg).
+* ``read_bytes``: bytes fetched from the block device (near zero when the page cache is warm).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+_PROC = Path("/proc")
+_PAGE_KIB = 1024
+_RESCAN_S = 0.25
+
+
+@dataclass(frozen=True)
+class IoCounters:
+    rchar: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+
+    def __sub__(self, other: IoCounters) -> IoCounters:
+        return IoCounters(
+            self.rchar - other.rchar,
+            self.read_bytes - other.read_bytes,
+            self.write_bytes - other.write_bytes,
+        )
+
+    def __add__(self, other: IoCounters) -> IoCounters:
+        return IoCounters(
+            self.rchar + other.rchar,
+            self.read_bytes + other.read_bytes,
+            self.write_bytes + other.write_bytes,
+        )
+
+
+def _read_io(pid: int) -> IoCounters:
+    try:
+        text = (_PROC / str(pid) / "io").read_text()
+    except OSError:
+        return IoCounters()
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return IoCounters(
+        int(fields.get("rchar", 0)), int(fields.get("read_bytes", 0)), int(fields.get("write_bytes", 0))
+    )
+
+
+def descendants(pid: int) -> list[int]:
+    """Live descendant process ids of ``pid`` (children, grandchildren, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in _PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        nxt = children.get(frontier.pop(), [])
+        found.extend(nxt)
+        frontier.extend(nxt)
+    return found
+
+
+def tree_io(pid: int | None = None) -> dict[int, IoCounters]:
+    """I/O counters of ``pid`` (default: this process) and each live descendant."""
+    root = os.getpid() if pid is None else pid
+    return {p: _read_io(p) for p in [root, *descendants(root)]}
+
+
+def io_delta(before: dict[int, IoCounters], after: dict[int, IoCounters]) -> IoCounters:
+    """Bytes moved between two :func:`tree_io` snapshots; new processes count from zero."""
+    total = IoCounters()
+    for pid, counters in after.items():
+        total = total + (counters - before.get(pid, IoCounters()))
+    return total
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        text = (_PROC / str(pid) / "status").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * _PAGE_KIB
+    return 0
+
+
+def tree_rss_bytes(pid: int | None = None) -> int:
+    """Resident memory of a process and its live descendants, summed (shared pages that several
+    of them map are counted once per process)."""
+    root = os.getpid() if pid is None else pid
+    return sum(_rss_bytes(p) for p in [root, *descendants(root)])
+
+
+def _reset_self_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _self_peak_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * _PAGE_KIB
+    return 0
+
+
+class PeakMemory:
+    """Context manager measuring the resident-memory high-water mark above the level at entry.
+
+    Two sources, the larger wins: the kernel's own high-water mark of this process (reset at
+    entry through /proc/self/clear_refs, exact), and a thread sampling the RSS of the process
+    tree every ``interval_s`` (catches helper processes).
+    """
+
+    def __init__(self, interval_s: float = 0.01) -> None:
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._baseline_tree = 0
+        self._baseline_self = 0
+        self._peak_tree = 0
+        self._hwm_exact = False
+        self.extra_bytes = 0
+
+    def __enter__(self) -> PeakMemory:
+        self._hwm_exact = _reset_self_peak()
+        self._baseline_self = _rss_bytes(os.getpid())
+        self._baseline_tree = tree_rss_bytes()
+        self._peak_tree = self._baseline_tree
+        self._thread = threading.Thread(target=self._sample, name="bench-rss", daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        root = os.getpid()
+        pids = [root, *descendants(root)]
+        last_scan = time.monotonic()
+        while not self._stop.wait(self._interval_s):
+            if time.monotonic() - last_scan > _RESCAN_S:
+                pids = [root, *descendants(root)]
+                last_scan = time.monotonic()
+            self._peak_tree = max(self._peak_tree, sum(_rss_bytes(p) for p in pids))
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._peak_tree = max(self._peak_tree, tree_rss_bytes())
+        sampled = self._peak_tree - self._baseline_tree
+        exact = _self_peak_bytes() - self._baseline_self if self._hwm_exact else 0
+        self.extra_bytes = max(0, sampled, exact)
+
+
+def now() -> float:
+    return time.perf_counter()

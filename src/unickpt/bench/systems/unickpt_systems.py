@@ -1,0 +1,69 @@
+"""unickpt itself: synchronous save, async save, and zero-stall (background snapshot)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from unickpt.bench.model import TrainState
+from unickpt.bench.systems.base import CheckpointSystem, SaveHandle
+from unickpt.bench.systems.registry import SystemInfo
+
+
+def _api() -> Any:
+    import unickpt
+
+    for name in ("save", "load", "async_save"):
+        if not hasattr(unickpt, name):
+            raise ImportError(f"unickpt.{name} is not available in this installation")
+    return unickpt
+
+
+class _UnickptFuture(SaveHandle):
+    def __init__(self, future: Any, wait_snapshot: bool) -> None:
+        self._future = future
+        self._wait_snapshot = wait_snapshot
+
+    def wait_until_mutable(self) -> None:
+        if self._wait_snapshot:
+            self._future.wait_snapshot()
+
+    def wait(self) -> None:
+        self._future.wait()
+
+
+class UnickptSystem(CheckpointSystem):
+    """``unickpt.save`` / ``unickpt.load`` of ``{"model": model, "optimizer": optimizer}``."""
+
+    notes = "durable when save returns"
+
+    def __init__(self, info: SystemInfo) -> None:
+        super().__init__(info)
+        self._unickpt = _api()
+
+    def save(self, path: Path, state: TrainState) -> SaveHandle:
+        self._unickpt.save(str(path), state.state())
+        return SaveHandle()
+
+    def load(self, path: Path, state: TrainState) -> None:
+        self._unickpt.load(str(path), state.state())
+
+
+class UnickptAsyncSystem(UnickptSystem):
+    """``unickpt.async_save``; training waits for ``wait_snapshot()`` before the next step."""
+
+    notes = "blocking = call + wait_snapshot()"
+
+    def save(self, path: Path, state: TrainState) -> SaveHandle:
+        return _UnickptFuture(self._unickpt.async_save(str(path), state.state()), True)
+
+
+class UnickptZeroStallSystem(UnickptSystem):
+    """``async_save(background_snapshot=True)``: the call returns at once; the copy overlaps
+    forward and backward, and the next ``optimizer.step()`` waits for it."""
+
+    notes = "blocking = call + wait inside the next optimizer.step"
+
+    def save(self, path: Path, state: TrainState) -> SaveHandle:
+        future = self._unickpt.async_save(str(path), state.state(), background_snapshot=True)
+        return _UnickptFuture(future, False)

@@ -1,0 +1,70 @@
+"""Tunables in one validated place, with environment overrides (``UNICKPT_<FIELD>``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+
+from .errors import CheckpointError
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Config:
+    """Engine settings. Read once per call from the environment; see :func:`get_config`."""
+
+    io_threads: int = 4
+    window_bytes: int = 64 * MiB
+    segment_bytes: int = 1 * MiB
+    small_chunk_bytes: int = 1 * MiB
+    staging_budget_bytes: int = 16 * 1024 * MiB
+    sync_staging_bytes: int = 256 * MiB
+    read_piece_bytes: int = 64 * MiB
+    verify: bool = True
+    collective_timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.io_threads < 1:
+            raise CheckpointError(f"io_threads is {self.io_threads}; expected at least 1.")
+        if self.segment_bytes < 4096 or self.segment_bytes % 4096:
+            raise CheckpointError(
+                f"segment_bytes is {self.segment_bytes}; expected a multiple of 4096."
+            )
+        for name in ("window_bytes", "read_piece_bytes"):
+            value = getattr(self, name)
+            if value < self.segment_bytes or value % self.segment_bytes:
+                raise CheckpointError(
+                    f"{name} is {value}; expected a multiple of segment_bytes "
+                    f"({self.segment_bytes})."
+                )
+        if self.staging_budget_bytes < self.window_bytes:
+            raise CheckpointError(
+                f"staging_budget_bytes is {self.staging_budget_bytes}; expected at least "
+                f"window_bytes ({self.window_bytes})."
+            )
+        if self.collective_timeout_s <= 0:
+            raise CheckpointError("collective_timeout_s must be positive.")
+
+
+def _parse(value: str, kind: type) -> object:
+    if kind is bool:
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return kind(value)
+
+
+def get_config(**overrides: object) -> Config:
+    """The defaults, then ``UNICKPT_*`` environment variables, then ``overrides``."""
+    base = Config()
+    env: dict[str, object] = {}
+    for f in fields(Config):
+        raw = os.environ.get(f"UNICKPT_{f.name.upper()}")
+        if raw is not None:
+            kind = type(getattr(base, f.name))
+            try:
+                env[f.name] = _parse(raw, kind)
+            except ValueError:
+                raise CheckpointError(
+                    f"UNICKPT_{f.name.upper()}={raw!r} is not a valid {kind.__name__}."
+                ) from None
+    return replace(base, **env, **overrides)  # type: ignore[arg-type]

@@ -1,0 +1,106 @@
+"""The demo's results as a JSON summary and as plain-text tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from unickpt.demo.record import Comparison, DemoResult, PhaseRecord
+
+SUMMARY_VERSION = 1
+
+
+def write_summary(result: DemoResult) -> None:
+    """Writes ``result`` as JSON to ``result.summary_path``."""
+    summary = {
+        "version": SUMMARY_VERSION,
+        "all_match": result.all_match,
+        "elapsed_s": result.elapsed_s,
+        "chart": result.chart_path,
+        "config": dataclasses.asdict(result.config),
+        "phases": [_phase_json(p) for p in result.phases],
+        "comparisons": [
+            {**dataclasses.asdict(c), "matches": c.matches} for c in result.comparisons
+        ],
+    }
+    tmp = result.summary_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(tmp, result.summary_path)
+
+
+def _phase_json(record: PhaseRecord) -> dict[str, Any]:
+    data = dataclasses.asdict(record)
+    data["losses"] = [[step, loss] for step, loss in sorted(record.losses.items())]
+    data["saves"] = [dataclasses.asdict(s) for _, s in sorted(record.saves.items())]
+    return data
+
+
+def format_phases(phases: list[PhaseRecord]) -> str:
+    rows = [("phase", "steps", "resumed from", "load", "time", "")]
+    for p in phases:
+        steps = f"{min(p.losses)}-{max(p.losses)}" if p.losses else "-"
+        resumed = "-" if p.load_s is None else str(p.resumed_from or "nothing")
+        note = ""
+        if p.killed is not None:
+            note = f"rank {p.killed.rank} SIGKILLed during the save of step {p.killed.step}"
+        rows.append((p.label, steps, resumed, _ms(p.load_s), _seconds(p.elapsed_s), note))
+    return _table(rows)
+
+
+def format_saves(phases: list[PhaseRecord]) -> str:
+    rows = [("phase", "step", "training stall", "time to durable", "size")]
+    for p in phases:
+        for save in sorted(p.saves.values(), key=lambda s: s.step):
+            durable = "lost in the crash" if save.durable_s is None else _ms(save.durable_s)
+            rows.append(
+                (
+                    p.label,
+                    str(save.step),
+                    _ms(save.blocking_s),
+                    durable,
+                    _megabytes(save.size_bytes),
+                )
+            )
+    return _table(rows)
+
+
+def format_verdicts(comparisons: list[Comparison]) -> str:
+    return "\n".join(_verdict(c) for c in comparisons)
+
+
+def _verdict(c: Comparison) -> str:
+    head = f"{c.label}, steps {c.first_step}-{c.last_step}:"
+    if c.bitwise:
+        found = "identical to the reference, bit for bit"
+    elif c.max_abs_diff <= c.tolerance:
+        found = (
+            f"matches the reference within {c.max_abs_diff:.1e} "
+            f"(tolerance {c.tolerance:.0e}, float sums in another order)"
+        )
+    else:
+        found = f"DIFFERS from the reference by up to {c.max_abs_diff:.3e}"
+    mark = "ok" if c.matches else "MISMATCH"
+    expected = "" if c.matches else f" (expected {c.expected})"
+    return f"[{mark}] {head} {found}{expected}"
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def _seconds(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f} s"
+
+
+def _megabytes(size: int | None) -> str:
+    return "-" if size is None else f"{size / 1e6:.2f} MB"

@@ -1,0 +1,141 @@
+"""Collectives over a dedicated gloo group, and errors from all ranks raised once everywhere."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from . import errors as E
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_GROUPS: dict[tuple[int, ...], Any] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What one rank reports when its part of a step failed."""
+
+    rank: int
+    kind: str
+    message: str
+    trace: str
+
+
+class Comm:
+    """The ranks taking part in one save or load. A single process is a world of one."""
+
+    def __init__(self, group: Any = None, timeout_s: float = 1800.0) -> None:
+        self._pg: Any = None
+        if dist.is_available() and dist.is_initialized():
+            ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+            self.rank = dist.get_rank(group) if group is not None else dist.get_rank()
+            self.world_size = len(ranks)
+            self._global_ranks = ranks
+            if self.world_size > 1:
+                self._pg = _gloo_group(ranks, group, timeout_s)
+        else:
+            self.rank, self.world_size, self._global_ranks = 0, 1, (0,)
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def all_gather(self, obj: T) -> list[T]:
+        if self._pg is None:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._pg)
+        return out
+
+    def gather(self, obj: T) -> list[T] | None:
+        """Objects of all ranks on the coordinator (rank 0 of the group); None elsewhere."""
+        if self._pg is None:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        dist.gather_object(obj, out, dst=self._global_ranks[0], group=self._pg)
+        return out
+
+    def broadcast(self, obj: T) -> T:
+        """The coordinator's ``obj`` on every rank."""
+        if self._pg is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global_ranks[0], group=self._pg)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self._pg is not None:
+            dist.barrier(group=self._pg)
+
+
+def _gloo_group(ranks: tuple[int, ...], group: Any, timeout_s: float) -> Any:
+    with _GROUPS_LOCK:
+        pg = _GROUPS.get(ranks)
+        if pg is None:
+            timeout = datetime.timedelta(seconds=timeout_s)
+            whole = len(ranks) == dist.get_world_size()
+            pg = dist.new_group(
+                ranks=list(ranks),
+                backend="gloo",
+                timeout=timeout,
+                use_local_synchronization=not whole,
+            )
+            _GROUPS[ranks] = pg
+        return pg
+
+
+def failure_of(rank: int, exc: BaseException) -> RankFailure:
+    return RankFailure(rank, type(exc).__name__, str(exc), traceback.format_exc())
+
+
+def run_step(comm: Comm, step: str, fn: Callable[[], T]) -> tuple[T, list[Any]]:
+    """Run ``fn`` on every rank and all-gather its payload; raise everywhere if any rank failed.
+
+    Returns this rank's result and the list of all ranks' results (``fn`` returns what the
+    others should see as ``(local, shared)``; shared parts are exchanged).
+    """
+    local: Any = None
+    shared: Any = None
+    failure: RankFailure | None = None
+    caught: BaseException | None = None
+    try:
+        local, shared = fn()  # type: ignore[misc]
+    except Exception as e:  # noqa: BLE001 - every failure is reported to every rank
+        failure, caught = failure_of(comm.rank, e), e
+    gathered = comm.all_gather((failure, shared))
+    raise_failures(comm, step, [f for f, _ in gathered], caught)
+    return local, [s for _, s in gathered]
+
+
+def raise_failures(
+    comm: Comm, step: str, failures: list[RankFailure | None], caught: BaseException | None
+) -> None:
+    """Raise one error on every rank when any rank failed; keep the error's class when shared."""
+    failed = [f for f in failures if f is not None]
+    if not failed:
+        return
+    if comm.world_size == 1 and caught is not None:
+        raise caught
+    kinds = {f.kind for f in failed}
+    cls: type[E.CheckpointError] = E.CheckpointError
+    if len(kinds) == 1 and isinstance(getattr(E, failed[0].kind, None), type):
+        candidate = getattr(E, failed[0].kind)
+        if issubclass(candidate, E.CheckpointError) and candidate is not E.DistributedCheckpointError:
+            cls = candidate
+    lines = "\n".join(f"  rank {f.rank}: {f.kind}: {f.message}" for f in failed)
+    message = f"{step} failed on {len(failed)} of {comm.world_size} ranks:\n{lines}"
+    for f in failed:
+        log.debug("rank %d traceback during %s:\n%s", f.rank, step, f.trace)
+    if cls is E.CheckpointError:
+        raise E.DistributedCheckpointError(message, {f.rank: f.message for f in failed}) from caught
+    raise cls(message) from caught

@@ -1,0 +1,1 @@
+"""The I/O engine: staging, the pipelined write and read, async futures."""

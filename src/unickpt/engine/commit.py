@@ -1,0 +1,99 @@
+"""The commit protocol: data first and durable, then metadata, then the commit marker.
+
+A folder holds a checkpoint only once its ``COMMIT`` marker exists; the marker names the
+metadata file and pins its size and checksum, and is replaced atomically, so a crash at any
+instant leaves either the previous checkpoint or the new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..format.codec import decode_commit, decode_metadata, encode_commit, encode_metadata
+from ..format.metadata import COMMIT_FILE, CommitRecord, Metadata
+from ..storage.base import Storage, check_name
+from .checksum import digest
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "LOCK"
+_OURS = re.compile(r"^(metadata-[0-9a-f]+\.json|data-[0-9a-f]+-\d+\.bin|\..*\.tmp)$")
+
+
+def metadata_name(save_id: str) -> str:
+    return f"metadata-{save_id}.json"
+
+
+def data_name(save_id: str, rank: int) -> str:
+    return f"data-{save_id}-{rank:05d}.bin"
+
+
+def read_commit(storage: Storage) -> CommitRecord | None:
+    raw = storage.read_bytes(COMMIT_FILE)
+    if raw is None:
+        return None
+    return decode_commit(raw, f"{storage.location}/{COMMIT_FILE}")
+
+
+def read_checkpoint(storage: Storage) -> tuple[CommitRecord, Metadata]:
+    """The commit marker and metadata of a committed checkpoint, both checked."""
+    record = read_commit(storage)
+    if record is None:
+        raise CheckpointNotFoundError(_not_found_message(storage))
+    name = check_name(record.metadata_file)
+    raw = storage.read_bytes(name)
+    where = f"{storage.location}/{name}"
+    if raw is None:
+        raise CheckpointCorruptError(
+            f"{where} is missing but the commit marker names it; the checkpoint is damaged. "
+            "Load an earlier checkpoint."
+        )
+    if len(raw) != record.metadata_nbytes or digest(memoryview(raw)) != record.metadata_checksum:
+        raise CheckpointCorruptError(
+            f"{where} has {len(raw)} bytes with checksum {digest(memoryview(raw))}, but the "
+            f"commit marker expects {record.metadata_nbytes} bytes with checksum "
+            f"{record.metadata_checksum}; the metadata is damaged. Load an earlier checkpoint."
+        )
+    meta = decode_metadata(raw, where)
+    for f in meta.files:
+        check_name(f)
+    return record, meta
+
+
+def _not_found_message(storage: Storage) -> str:
+    names = storage.list_names()
+    if not names:
+        return (
+            f"no checkpoint at {storage.location}: the folder is missing or empty. Check the "
+            "path (unickpt checkpoints are folders with a COMMIT file)."
+        )
+    if any(_OURS.match(n) for n in names):
+        return (
+            f"{storage.location} holds an incomplete save (data files but no {COMMIT_FILE} "
+            "marker): the save that wrote it did not finish. Load an earlier checkpoint."
+        )
+    return (
+        f"{storage.location} is not a unickpt checkpoint: it has no {COMMIT_FILE} marker "
+        f"(found {', '.join(names[:5])}{'...' if len(names) > 5 else ''})."
+    )
+
+
+def commit(storage: Storage, meta: Metadata, save_id: str) -> None:
+    """Write the metadata, then the marker; then remove files no checkpoint needs any more."""
+    raw = encode_metadata(meta)
+    name = metadata_name(save_id)
+    storage.write_atomic(name, raw)
+    record = CommitRecord(name, len(raw), digest(memoryview(raw)), save_id)
+    storage.write_atomic(COMMIT_FILE, encode_commit(record))
+    keep = {COMMIT_FILE, name, LOCK_FILE, *meta.files}
+    remove_debris(storage, keep)
+
+
+def remove_debris(storage: Storage, keep: set[str]) -> None:
+    """Delete files an interrupted or replaced save left behind (only unickpt's own names)."""
+    for n in storage.list_names():
+        if n not in keep and _OURS.match(n):
+            log.debug("removing %s/%s", storage.location, n)
+            storage.remove(n)

@@ -1,0 +1,72 @@
+"""The handle of an asynchronous save."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+
+class SaveFuture:
+    """Tracks one asynchronous save.
+
+    ``wait_snapshot()`` returns once the state has been copied (tensors may change after it);
+    ``wait()`` returns once the checkpoint is committed and re-raises, with its traceback, any
+    failure of the background work.
+
+    >>> fut = unickpt.async_save("ckpt/step-10", state)  # doctest: +SKIP
+    >>> fut.wait()  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self._snapshot = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._result: Any = None
+        self.started_s = time.perf_counter()
+        self.blocking_s = 0.0
+        self.snapshot_s: float | None = None
+        self.durable_s: float | None = None
+        self.path: str | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def snapshot_done(self) -> bool:
+        return self._snapshot.is_set()
+
+    def wait_snapshot(self, timeout_s: float | None = None) -> None:
+        if not self._snapshot.wait(timeout_s):
+            raise TimeoutError(f"the snapshot did not finish within {timeout_s} s")
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"the save did not finish within {timeout_s} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def exception(self) -> BaseException | None:
+        return self._error if self._done.is_set() else None
+
+    def set_snapshot_done(self) -> None:
+        if not self._snapshot.is_set():
+            self.snapshot_s = time.perf_counter() - self.started_s
+            self._snapshot.set()
+
+    def set_result(self, result: Any) -> None:
+        self._result = result
+        self.durable_s = time.perf_counter() - self.started_s
+        self.set_snapshot_done()
+        self._done.set()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self.set_snapshot_done()
+        self._done.set()
+
+    @staticmethod
+    def completed(result: Any) -> SaveFuture:
+        fut = SaveFuture()
+        fut.set_result(result)
+        return fut

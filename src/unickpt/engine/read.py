@@ -1,0 +1,180 @@
+"""The read path: parallel positional reads, straight into the destination when it can be.
+
+A read item whose region is a whole chunk and whose destination is contiguous CPU memory is
+read directly into the destination. Otherwise only the byte runs of the region are read (with
+verification on: the checksum segments that hold them) into a small buffer and copied into
+place. Large regions are cut into pieces of ``read_piece_bytes`` so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..config import Config
+from ..errors import CheckpointCorruptError
+from ..format.dtypes import byte_view, itemsize
+from ..layouts.boxes import Box, contiguous_runs, row_major_strides
+from ..planning.load_plan import ReadItem
+from ..storage.base import Storage
+from .checksum import digest
+
+_SMALL_RUN_BYTES = 64 * 1024
+_MANY_RUNS = 16
+
+
+@dataclass(frozen=True)
+class ReadStats:
+    bytes_read: int
+    bytes_wanted: int
+
+
+def execute_reads(
+    storage: Storage, items: Sequence[ReadItem], config: Config, verify: bool
+) -> ReadStats:
+    """Fill every item's destination. Raises CheckpointCorruptError on damage."""
+    pieces = [p for item in items for p in _split(item, config.read_piece_bytes)]
+    pieces.sort(key=lambda it: (it.file, it.chunk.byte_offset))
+    tasks = [t for p in pieces for t in _tasks(p, config.read_piece_bytes)]
+    reader = _Reader(storage, config.segment_bytes, verify)
+    if len(tasks) <= 1 or config.io_threads == 1:
+        read = sum(reader.run(*t) for t in tasks)
+    else:
+        with ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-read") as pool:
+            read = sum(pool.map(lambda t: reader.run(*t), tasks))
+    wanted = sum(p.region.numel * p.dest.element_size() for p in pieces)
+    return ReadStats(read, wanted)
+
+
+def _tasks(item: ReadItem, piece_bytes: int) -> list[tuple[ReadItem, int, int]]:
+    """Direct items become byte ranges of ``piece_bytes``; others one task each."""
+    if not _is_direct(item):
+        return [(item, -1, -1)]
+    n = item.chunk.nbytes
+    return [(item, a, min(a + piece_bytes, n)) for a in range(0, n, piece_bytes)]
+
+
+def _split(item: ReadItem, max_bytes: int) -> list[ReadItem]:
+    """Cut an item whose region exceeds ``max_bytes`` along its leading dimensions."""
+    size = item.dest.element_size()
+    if item.region.numel * size <= max_bytes or _is_direct(item):
+        return [item]
+    return [
+        ReadItem(item.key, item.file, item.chunk, sub, item.dest[sub.relative_to(item.region)])
+        for sub in split_box(item.region, max(1, max_bytes // size))
+    ]
+
+
+def split_box(box: Box, max_numel: int) -> list[Box]:
+    """Cut ``box`` into row-major consecutive sub-boxes of at most ``max_numel`` elements."""
+    if box.numel <= max_numel or box.ndim == 0:
+        return [box]
+    d = next(i for i, n in enumerate(box.lengths) if n > 1)
+    inner = math.prod(box.lengths[d + 1 :])
+    if inner > max_numel:
+        out = []
+        for i in range(box.lengths[d]):
+            offsets = list(box.offsets)
+            lengths = list(box.lengths)
+            offsets[d] += i
+            lengths[d] = 1
+            out.extend(split_box(Box(tuple(offsets), tuple(lengths)), max_numel))
+        return out
+    step = max(1, max_numel // inner)
+    out = []
+    for start in range(0, box.lengths[d], step):
+        offsets = list(box.offsets)
+        lengths = list(box.lengths)
+        offsets[d] += start
+        lengths[d] = min(step, box.lengths[d] - start)
+        out.append(Box(tuple(offsets), tuple(lengths)))
+    return out
+
+
+def _is_direct(item: ReadItem) -> bool:
+    return (
+        item.region == item.chunk.box
+        and item.dest.device.type == "cpu"
+        and item.dest.is_contiguous()
+    )
+
+
+class _Reader:
+    def __init__(self, storage: Storage, segment: int, verify: bool) -> None:
+        self.storage = storage
+        self.segment = segment
+        self.verify = verify
+
+    def run(self, item: ReadItem, start: int, stop: int) -> int:
+        if start < 0:
+            return self._read_region(item)
+        self._read_verified(item, start, byte_view(item.dest)[start:stop])
+        return stop - start
+
+    def _read_verified(self, item: ReadItem, start: int, out: torch.Tensor) -> None:
+        """Read chunk bytes ``[start, start + len(out))`` (segment-aligned when verifying)."""
+        self.storage.read_into(item.file, item.chunk.byte_offset + start, memoryview(out.numpy()))
+        if self.verify and item.chunk.checksums:
+            self._check(item, start, out)
+
+    def _check(self, item: ReadItem, start: int, data: torch.Tensor) -> None:
+        seg = self.segment
+        mv = memoryview(data.numpy())
+        for pos in range(0, len(mv), seg):
+            index = (start + pos) // seg
+            found = digest(mv[pos : pos + seg])
+            expected = item.chunk.checksums[index] if index < len(item.chunk.checksums) else None
+            if found != expected:
+                lo = item.chunk.byte_offset + start + pos
+                hi = lo + min(seg, len(mv) - pos)
+                raise CheckpointCorruptError(
+                    f"checksum mismatch in {item.file} bytes [{lo}, {hi}) holding tensor "
+                    f"'{item.key}' (chunk at offsets {list(item.chunk.offsets)}): expected "
+                    f"{expected}, found {found}. The file is damaged; load an earlier checkpoint "
+                    "or pass verify=False to load it anyway."
+                )
+
+    def _read_region(self, item: ReadItem) -> int:
+        size = item.dest.element_size()
+        starts, run = contiguous_runs(item.chunk.box, item.region)
+        first, end = int(starts[0]) * size, (int(starts[-1]) + run) * size
+        if self.verify and item.chunk.checksums:
+            lo = first // self.segment * self.segment
+            hi = min(math.ceil(end / self.segment) * self.segment, item.chunk.nbytes)
+            return self._read_span(item, lo, hi, int(starts[0]))
+        if len(starts) > _MANY_RUNS and run * size < _SMALL_RUN_BYTES:
+            return self._read_span(item, first, end, int(starts[0]))
+        return self._read_runs(item, starts, run * size)
+
+    def _read_span(self, item: ReadItem, lo: int, hi: int, first_elem: int) -> int:
+        buf = torch.empty(hi - lo, dtype=torch.uint8)
+        self._read_verified(item, lo, buf)
+        typed = buf.view(item.dest.dtype)
+        src = torch.as_strided(
+            typed,
+            item.region.lengths,
+            row_major_strides(item.chunk.lengths),
+            first_elem - lo // item.dest.element_size(),
+        )
+        item.dest.copy_(src)
+        return hi - lo
+
+    def _read_runs(self, item: ReadItem, starts: Sequence[int], run_bytes: int) -> int:
+        size = item.dest.element_size()
+        direct = item.dest.device.type == "cpu" and item.dest.is_contiguous()
+        target = item.dest if direct else torch.empty(item.region.lengths, dtype=item.dest.dtype)
+        out = byte_view(target)
+        base = item.chunk.byte_offset
+        for i, s in enumerate(starts):
+            part = out[i * run_bytes : (i + 1) * run_bytes]
+            self.storage.read_into(item.file, base + int(s) * size, memoryview(part.numpy()))
+        if not direct:
+            item.dest.copy_(target)
+        return len(starts) * run_bytes
+
+
+__all__ = ["ReadStats", "execute_reads", "itemsize", "split_box"]

@@ -1,0 +1,220 @@
+"""A save, step by step: prepare (flatten, plan, exchange), snapshot, write, commit.
+
+:func:`prepare` runs in the caller's thread on every rank and ends with the plan every rank
+agrees on. :func:`write_and_commit` can run in a background thread: each rank writes its data
+file, the coordinator gathers checksums, writes the metadata and the commit marker, and every
+rank learns the outcome.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._version import __version__
+from ..config import Config
+from ..dist import Comm, RankFailure, failure_of, raise_failures, run_step
+from ..errors import CheckpointExistsError
+from ..format.dtypes import dtype_name
+from ..format.metadata import ChunkMeta, Metadata, TensorMeta
+from ..format.values import encode_value, needs_pickle
+from ..layouts.boxes import Box
+from ..planning.flatten import Flattened, flatten_state
+from ..planning.save_plan import GlobalPlan, LocalPlan, TensorDecl, WriteItem, build_global_plan
+from ..storage.base import Storage
+from .commit import commit, data_name, read_commit
+from .write import ItemSource, WriteResult, write_file
+
+log = logging.getLogger(__name__)
+
+_PLAN_CACHE: dict[str, GlobalPlan] = {}
+
+
+def _plan_key(signatures: tuple[str, ...]) -> str:
+    return hashlib.blake2b(repr(signatures).encode(), digest_size=16).hexdigest()
+
+
+@dataclass
+class PreparedSave:
+    """What one rank needs after planning: its items, their sources, the encoded values."""
+
+    comm: Comm
+    save_id: str
+    plan: GlobalPlan
+    items: tuple[WriteItem, ...]
+    views: list[torch.Tensor]
+    values: dict[str, Any]
+    per_rank: dict[str, Any]
+    plan_cached: bool
+    release: Callable[[], None] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.items)
+
+
+def local_plan(flat: Flattened) -> LocalPlan:
+    tensors = {
+        k: TensorDecl(dtype_name(t.dtype), t.shape, t.layout, tuple(b for b, _ in t.pieces))
+        for k, t in flat.tensors.items()
+    }
+    return LocalPlan(tensors, tuple(sorted(flat.values)), tuple(sorted(flat.per_rank)))
+
+
+def prepare(
+    comm: Comm, storage: Storage, state: dict[str, Any], allow_pickle: bool, overwrite: bool
+) -> PreparedSave:
+    """Flatten, encode values, agree on the plan (cached while the structure is unchanged)."""
+    held: list[Callable[[], None]] = []
+
+    def describe() -> tuple[Any, Any]:
+        flat = flatten_state(state)
+        plan = local_plan(flat)
+        values = (
+            {k: encode_value(v.value, k, allow_pickle) for k, v in flat.values.items()}
+            if comm.is_coordinator
+            else {}
+        )
+        per_rank = {k: encode_value(v.value, k, allow_pickle) for k, v in flat.per_rank.items()}
+        extra = None
+        if comm.is_coordinator:
+            held.append(storage.acquire_lock())
+            if not overwrite and read_commit(storage) is not None:
+                raise CheckpointExistsError(
+                    f"{storage.location} already holds a committed checkpoint; pass "
+                    "overwrite=True to replace it (the old one stays loadable until the new "
+                    "one is committed), or save to a new path."
+                )
+            extra = uuid.uuid4().hex[:12]
+        cached_key = next(iter(_PLAN_CACHE), None)
+        return (flat, plan, values, per_rank), (plan.signature(), cached_key, extra)
+
+    try:
+        (flat, plan, values, per_rank), shared = run_step(comm, "planning the save", describe)
+        key = _plan_key(tuple(s for s, _, _ in shared))
+        save_id = shared[0][2]
+        cached = all(c == key for _, c, _ in shared)
+        global_plan = _PLAN_CACHE.get(key) if cached else None
+        if global_plan is None:
+            global_plan = build_global_plan(comm.all_gather(plan))
+            _PLAN_CACHE.clear()
+            _PLAN_CACHE[key] = global_plan
+    except BaseException:
+        for release in held:
+            release()
+        raise
+    items = global_plan.writes[comm.rank]
+    views = _views_for(flat, items)
+    release = held[0] if held else None
+    return PreparedSave(
+        comm, save_id, global_plan, items, views, values, per_rank, cached, release
+    )
+
+
+def _views_for(flat: Flattened, items: tuple[WriteItem, ...]) -> list[torch.Tensor]:
+    by_box: dict[tuple[str, Box], torch.Tensor] = {
+        (k, b): v for k, t in flat.tensors.items() for b, v in t.pieces
+    }
+    return [by_box[(i.key, i.box)] for i in items]
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """Figures of one finished save on this rank."""
+
+    bytes_written: int
+    write_s: float
+    commit_s: float
+    plan_cached: bool
+
+
+def write_and_commit(
+    prep: PreparedSave,
+    storage: Storage,
+    sources: list[ItemSource],
+    config: Config,
+) -> SaveReport:
+    """Write this rank's file, then commit on the coordinator; raise everywhere on failure."""
+    comm = prep.comm
+    t0 = time.perf_counter()
+    result: WriteResult | None = None
+    failure: RankFailure | None = None
+    caught: BaseException | None = None
+    name = data_name(prep.save_id, comm.rank)
+    try:
+        if prep.items:
+            result = write_file(storage, name, prep.items, sources, config)
+    except Exception as e:  # noqa: BLE001 - reported to every rank
+        failure, caught = failure_of(comm.rank, e), e
+    write_s = time.perf_counter() - t0
+    payload = (failure, name if prep.items else None, result, prep.per_rank)
+    outcome: list[RankFailure | None] = [failure]
+    try:
+        gathered = comm.gather(payload)
+        if comm.is_coordinator:
+            assert gathered is not None
+            outcome = [g[0] for g in gathered]
+            if not any(outcome):
+                try:
+                    meta = _metadata(prep, gathered, config)
+                    commit(storage, meta, prep.save_id)
+                except Exception as e:  # noqa: BLE001 - reported to every rank
+                    outcome = [failure_of(comm.rank, e)]
+                    caught = e
+    finally:
+        if prep.release is not None:
+            prep.release()
+    outcome = comm.broadcast(outcome)
+    raise_failures(comm, "saving", outcome, caught)
+    total = result.nbytes if result else 0
+    return SaveReport(total, write_s, time.perf_counter() - t0 - write_s, prep.plan_cached)
+
+
+def _metadata(prep: PreparedSave, gathered: list[Any], config: Config) -> Metadata:
+    files: list[str] = []
+    chunks: dict[str, list[ChunkMeta]] = {k: [] for k in prep.plan.tensors}
+    for rank, (_, name, result, _) in enumerate(gathered):
+        if name is None:
+            continue
+        files.append(name)
+        for item, sums in zip(prep.plan.writes[rank], result.checksums):
+            chunks[item.key].append(
+                ChunkMeta(
+                    item.box.offsets,
+                    item.box.lengths,
+                    len(files) - 1,
+                    item.byte_offset,
+                    item.nbytes,
+                    sums,
+                )
+            )
+    tensors = {
+        k: TensorMeta(dtype, shape, layout, tuple(sorted(chunks[k], key=lambda c: c.offsets)))
+        for k, (dtype, shape, layout) in prep.plan.tensors.items()
+    }
+    per_rank = {k: tuple(g[3][k] for g in gathered) for k in prep.plan.per_rank_keys}
+    pickled = [k for k, v in prep.values.items() if needs_pickle(v)]
+    pickled += [k for k, v in per_rank.items() if any(needs_pickle(x) for x in v)]
+    return Metadata(
+        world_size=prep.comm.world_size,
+        files=tuple(files),
+        tensors=tensors,
+        objects=prep.values,
+        per_rank=per_rank,
+        segment_bytes=config.segment_bytes,
+        created_unix_s=time.time(),
+        producer={"unickpt": __version__, "torch": torch.__version__},
+        pickled_keys=tuple(sorted(pickled)),
+    )
+
+
+def expected_segments(nbytes: int, segment: int) -> int:
+    return max(1, math.ceil(nbytes / segment))

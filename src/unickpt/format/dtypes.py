@@ -1,0 +1,47 @@
+"""Names of torch dtypes in the metadata, and raw byte views of tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointCorruptError, CheckpointError
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointCorruptError(
+            f"the metadata names dtype {name!r}, which this torch ({torch.__version__}) does not "
+            "have; load with the torch version that saved it, or a newer one."
+        )
+    return dtype
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes (no copy)."""
+    if not t.is_contiguous():
+        raise AssertionError("byte_view needs a contiguous tensor")
+    flat = t.reshape(-1)
+    if flat.dtype == torch.uint8:
+        return flat
+    try:
+        return flat.view(torch.uint8)
+    except RuntimeError as e:
+        raise CheckpointError(
+            f"tensors of dtype {t.dtype} cannot be viewed as bytes ({e}); unickpt stores dtypes "
+            "whose elements are whole bytes. Convert the tensor before saving."
+        ) from e
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor as a numpy uint8 array (no copy)."""
+    return byte_view(t).numpy()

@@ -1,0 +1,112 @@
+"""Python values stored without pickle: a tagged JSON encoding.
+
+JSON scalars (None, bool, int, str, finite float) are stored as themselves. Everything else is
+a one-key object whose key names the type:
+
+- ``{"$float": "nan" | "inf" | "-inf"}``
+- ``{"$bytes": "<base64>"}``
+- ``{"$list": [...]}``, ``{"$tuple": [...]}``, ``{"$dict": {"key": ...}}`` (string keys)
+- ``{"$tensor": {"dtype": "float32", "shape": [2], "data": "<base64 of raw bytes>"}}``
+  (small tensors inside a value, such as an RNG state)
+- ``{"$pickle": "<base64>"}`` only when the caller allowed pickle, and loaded only when the
+  reader allows it.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointCorruptError, UnsafeObjectError
+from .dtypes import dtype_from_name, dtype_name, tensor_bytes
+
+
+def encode_value(value: Any, key: str, allow_pickle: bool) -> Any:
+    """Encode ``value`` (stored at ``key``) as JSON-able data; refuse unsafe types."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"$float": repr(value)}
+    if isinstance(value, (bytes, bytearray)):
+        return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        tag = "$list" if isinstance(value, list) else "$tuple"
+        return {tag: [encode_value(v, f"{key}[{i}]", allow_pickle) for i, v in enumerate(value)]}
+    if type(value) is dict and all(isinstance(k, str) for k in value):
+        return {"$dict": {k: encode_value(v, f"{key}.{k}", allow_pickle) for k, v in value.items()}}
+    if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
+        t = value.detach().cpu().contiguous()
+        raw = tensor_bytes(t).tobytes()
+        data = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+        return {"$tensor": {**data, "data": base64.b64encode(raw).decode("ascii")}}
+    if allow_pickle:
+        return {"$pickle": base64.b64encode(pickle.dumps(value)).decode("ascii")}
+    raise UnsafeObjectError(
+        f"'{key}' holds a {type(value).__module__}.{type(value).__qualname__}, which unickpt "
+        "cannot store without pickle (it stores None, bool, int, float, str, bytes, lists, "
+        "tuples, dicts with str keys, tensors and objects with state_dict/load_state_dict). "
+        "Give the object state_dict()/load_state_dict(), or pass allow_pickle=True."
+    )
+
+
+def needs_pickle(encoded: Any) -> bool:
+    if isinstance(encoded, dict):
+        if "$pickle" in encoded:
+            return True
+        return any(needs_pickle(v) for v in encoded.values())
+    if isinstance(encoded, list):
+        return any(needs_pickle(v) for v in encoded)
+    return False
+
+
+def decode_value(encoded: Any, key: str, allow_pickle: bool) -> Any:
+    """Inverse of :func:`encode_value`; pickle only when ``allow_pickle``."""
+    if encoded is None or isinstance(encoded, (bool, int, float, str)):
+        return encoded
+    if not isinstance(encoded, dict) or len(encoded) != 1:
+        raise CheckpointCorruptError(
+            f"value of '{key}' in the metadata is {type(encoded).__name__}, not a tagged value; "
+            "the metadata is damaged or was not written by unickpt."
+        )
+    ((tag, payload),) = encoded.items()
+    try:
+        return _DECODERS[tag](payload, key, allow_pickle)
+    except KeyError:
+        raise CheckpointCorruptError(
+            f"value of '{key}' has unknown tag {tag!r}; expected one of {sorted(_DECODERS)}. "
+            "Upgrade unickpt if the checkpoint comes from a newer version."
+        ) from None
+    except (ValueError, TypeError, base64.binascii.Error) as e:  # type: ignore[attr-defined]
+        raise CheckpointCorruptError(f"value of '{key}' cannot be decoded: {e}") from e
+
+
+def _decode_pickle(payload: str, key: str, allow_pickle: bool) -> Any:
+    if not allow_pickle:
+        raise UnsafeObjectError(
+            f"'{key}' was saved with pickle; loading it could run code from the checkpoint. "
+            "Pass allow_pickle=True only if you trust where the checkpoint comes from."
+        )
+    return pickle.loads(base64.b64decode(payload))
+
+
+def _decode_tensor(payload: dict[str, Any], key: str, allow_pickle: bool) -> torch.Tensor:
+    dtype = dtype_from_name(payload["dtype"])
+    shape = tuple(int(s) for s in payload["shape"])
+    raw = bytearray(base64.b64decode(payload["data"]))
+    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape).clone()
+
+
+_DECODERS: dict[str, Any] = {
+    "$float": lambda p, k, a: float(p),
+    "$bytes": lambda p, k, a: base64.b64decode(p),
+    "$list": lambda p, k, a: [decode_value(v, f"{k}[{i}]", a) for i, v in enumerate(p)],
+    "$tuple": lambda p, k, a: tuple(decode_value(v, f"{k}[{i}]", a) for i, v in enumerate(p)),
+    "$dict": lambda p, k, a: {str(n): decode_value(v, f"{k}.{n}", a) for n, v in p.items()},
+    "$tensor": _decode_tensor,
+    "$pickle": _decode_pickle,
+}

@@ -1,0 +1,1 @@
+"""How each kind of leaf maps to boxes of a global tensor, and back."""

@@ -1,0 +1,1 @@
+"""Planning: what is written and read, by whom. Pure functions over plain data."""

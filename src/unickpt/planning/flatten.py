@@ -1,0 +1,155 @@
+"""Flatten a state into leaves with dotted keys: tensors (as boxes), values, per-rank values.
+
+Containers (dicts and lists) are walked; objects with ``state_dict``/``load_state_dict`` are
+replaced by their state dict (modules and optimizers keyed by parameter names); tensors,
+DTensors, :class:`ShardedTensor` and :class:`FlatShard` become :class:`TensorLeaf` items holding
+the boxes this rank has; :class:`PerRank` and every other value become value leaves.
+
+The same walk serves a load: there each value leaf carries a setter that puts the loaded value
+back into its container, and each stateful object a finalizer that gives it its loaded state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from ..layouts.boxes import Box, flat_range_to_boxes
+from ..layouts.dtensor import dtensor_box, is_dtensor
+from ..layouts.leaves import FlatShard, PerRank, ShardedTensor
+from .stateful import StatefulAdapter, collect_modules, is_stateful
+
+
+@dataclass
+class TensorLeaf:
+    """A global tensor and the boxes of it this rank holds, each with a box-shaped view."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    layout: str
+    pieces: list[tuple[Box, torch.Tensor]]
+
+
+@dataclass
+class ValueLeaf:
+    key: str
+    value: Any
+    setter: Callable[[Any], None] | None = None
+
+
+@dataclass
+class Flattened:
+    tensors: dict[str, TensorLeaf] = field(default_factory=dict)
+    values: dict[str, ValueLeaf] = field(default_factory=dict)
+    per_rank: dict[str, PerRank] = field(default_factory=dict)
+    stateful: list[tuple[StatefulAdapter, dict[str, Any]]] = field(default_factory=list)
+
+    def keys(self) -> set[str]:
+        return set(self.tensors) | set(self.values) | set(self.per_rank)
+
+
+def flatten_state(state: dict[str, Any]) -> Flattened:
+    """Walk ``state`` into leaves. Raises :class:`CheckpointError` on clashing keys."""
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"state is a {type(state).__name__}; expected a dict such as "
+            "{'model': model, 'optimizer': optimizer}."
+        )
+    out = Flattened()
+    _Walker(out, collect_modules(state)).walk_dict(state, "")
+    return out
+
+
+class _Walker:
+    def __init__(self, out: Flattened, modules: list[Any]) -> None:
+        self.out = out
+        self.modules = modules
+        self.seen: set[str] = set()
+
+    def claim(self, key: str) -> str:
+        if key in self.seen:
+            raise CheckpointError(
+                f"two leaves of the state flatten to the key '{key}' (dict keys are joined "
+                "with '.'); rename one of them."
+            )
+        self.seen.add(key)
+        return key
+
+    def walk_dict(self, d: dict[Any, Any], prefix: str) -> None:
+        for k, v in d.items():
+            self.visit(v, f"{prefix}{k}", d, k)
+
+    def visit(self, value: Any, key: str, parent: Any, slot: Any) -> None:
+        if isinstance(value, (dict, list)) and not value:
+            self.value(key, value, _setter(parent, slot))
+        elif isinstance(value, dict) and not is_stateful(value):
+            self.walk_dict(value, key + ".")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                self.visit(v, f"{key}.{i}", value, i)
+        elif isinstance(value, PerRank):
+            self.out.per_rank[self.claim(key)] = value
+        elif isinstance(value, (torch.Tensor, ShardedTensor, FlatShard)):
+            self.out.tensors[self.claim(key)] = tensor_leaf(key, value)
+        elif is_stateful(value):
+            adapter = StatefulAdapter(value, self.modules)
+            template = adapter.state_dict()
+            self.out.stateful.append((adapter, template))
+            self.walk_dict(template, key + ".")
+        else:
+            self.value(key, value, _setter(parent, slot))
+
+    def value(self, key: str, value: Any, setter: Callable[[Any], None] | None) -> None:
+        self.out.values[self.claim(key)] = ValueLeaf(key, value, setter)
+
+
+def _setter(parent: Any, slot: Any) -> Callable[[Any], None] | None:
+    if parent is None:
+        return None
+
+    def put(v: Any) -> None:
+        parent[slot] = v
+
+    return put
+
+
+def tensor_leaf(key: str, value: Any) -> TensorLeaf:
+    """The leaf of a tensor-like value: plain tensor, DTensor, ShardedTensor or FlatShard."""
+    if isinstance(value, ShardedTensor):
+        local = value.local.detach()
+        box = Box(value.offsets, tuple(int(s) for s in local.shape))
+        pieces = [(box, local)] if box.numel else []
+        return TensorLeaf(key, local.dtype, value.global_shape, "sharded", pieces)
+    if isinstance(value, FlatShard):
+        return TensorLeaf(key, value.local.dtype, value.global_shape, "flat", _flat_pieces(value))
+    if is_dtensor(value):
+        local = value.to_local().detach()
+        box = dtensor_box(key, value)
+        pieces = [(box, local)] if box is not None else []
+        return TensorLeaf(key, local.dtype, tuple(int(s) for s in value.shape), "dtensor", pieces)
+    t = value.detach()
+    shape = tuple(int(s) for s in t.shape)
+    pieces = [(Box.whole(shape), t)] if t.numel() else []
+    return TensorLeaf(key, t.dtype, shape, "replicated", pieces)
+
+
+def _flat_pieces(shard: FlatShard) -> list[tuple[Box, torch.Tensor]]:
+    local = shard.local.detach()
+    if not local.is_contiguous():
+        raise CheckpointError(
+            "FlatShard.local must be contiguous (it is a range of a flattening); pass "
+            "local.contiguous() when saving, or a contiguous buffer to load into."
+        )
+    flat = local.reshape(-1)
+    pieces = []
+    pos = 0
+    for box in flat_range_to_boxes(shard.global_shape, shard.flat_offset, flat.numel()):
+        n = box.numel
+        pieces.append((box, flat[pos : pos + n].view(box.lengths)))
+        pos += n
+    return pieces

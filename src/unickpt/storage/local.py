@@ -1,0 +1,189 @@
+"""A checkpoint in a local (or network-mounted) folder."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointLockedError
+from .base import Storage, WriteHandle, check_name
+
+
+def _os_error(e: OSError, what: str) -> CheckpointError:
+    if e.errno == errno.ENOSPC:
+        hint = "the disk is full: free space or save elsewhere; the previous checkpoint is intact."
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = "the folder is not writable: fix its permissions or save elsewhere."
+    else:
+        hint = "check the path and the file system."
+    return CheckpointError(f"{what} failed: {e.strerror or e} ({e.filename or ''}); {hint}")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _LocalWriteHandle(WriteHandle):
+    def __init__(self, path: Path, nbytes: int) -> None:
+        self._path = path
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            if nbytes > 0:
+                os.ftruncate(self._fd, nbytes)
+        except OSError as e:
+            raise _os_error(e, f"creating {path}") from e
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        done = 0
+        try:
+            while done < len(view):
+                done += os.pwrite(self._fd, view[done:], offset + done)
+        except OSError as e:
+            raise _os_error(e, f"writing {self._path}") from e
+
+    def close(self, durable: bool = True) -> None:
+        try:
+            if durable:
+                os.fsync(self._fd)
+        except OSError as e:
+            raise _os_error(e, f"flushing {self._path}") from e
+        finally:
+            os.close(self._fd)
+
+
+class LocalStorage(Storage):
+    """Files in one folder. Created on first write; never follows names outside it."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.root = Path(path)
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
+    def _path(self, name: str) -> Path:
+        return self.root / check_name(name)
+
+    def ensure_root(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _os_error(e, f"creating the folder {self.root}") from e
+
+    def create(self, name: str, nbytes: int) -> WriteHandle:
+        self.ensure_root()
+        return _LocalWriteHandle(self._path(name), nbytes)
+
+    def _reader_fd(self, name: str) -> int:
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is None:
+                try:
+                    fd = os.open(self._path(name), os.O_RDONLY)
+                except FileNotFoundError:
+                    raise CheckpointCorruptError(
+                        f"{self._path(name)} is missing, but the checkpoint's metadata names it; "
+                        "the checkpoint is incomplete. Load an earlier checkpoint."
+                    ) from None
+                self._fds[name] = fd
+            return fd
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        fd = self._reader_fd(name)
+        view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n == 0:
+                raise CheckpointCorruptError(
+                    f"{self._path(name)} ends at byte {offset + done}, but bytes up to "
+                    f"{offset + len(view)} were expected; the file is truncated. Load an earlier "
+                    "checkpoint."
+                )
+            done += n
+
+    def size(self, name: str) -> int | None:
+        try:
+            return self._path(name).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        self.ensure_root()
+        final = self._path(name)
+        tmp = self.root / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            fsync_dir(self.root)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise _os_error(e, f"writing {final}") from e
+
+    def read_bytes(self, name: str) -> bytes | None:
+        try:
+            return self._path(name).read_bytes()
+        except FileNotFoundError:
+            return None
+        except IsADirectoryError:
+            return None
+
+    def list_names(self) -> list[str]:
+        try:
+            return sorted(p.name for p in self.root.iterdir())
+        except FileNotFoundError:
+            return []
+
+    def remove(self, name: str) -> None:
+        try:
+            self._path(name).unlink(missing_ok=True)
+        except IsADirectoryError:
+            pass
+
+    def acquire_lock(self) -> Callable[[], None]:
+        """An exclusive advisory lock on ``LOCK`` in the folder, released at process exit too."""
+        self.ensure_root()
+        path = self.root / "LOCK"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _os_error(e, f"locking {self.root}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = path.read_text(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise CheckpointLockedError(
+                f"{self.root} is being written by {holder}; two jobs must not save into the same "
+                "place. Stop the other job or choose another path."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+
+        def release() -> None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+        return release
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()

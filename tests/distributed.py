@@ -1,0 +1,78 @@
+"""Run a function on N real processes joined by torch.distributed over gloo."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        q.put((rank, True, result))
+    except BaseException as e:  # noqa: BLE001 - sent to the test
+        q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 180.0
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; return their results.
+
+    ``fn`` must be importable (a module-level function). A failure on any rank fails the
+    caller with that rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, fn, args, q), daemon=False)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    try:
+        for _ in range(world):
+            rank, ok, value = q.get(timeout=timeout_s)
+            if ok:
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}: {value}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]
+
+
+def shared_dir(tmp_path: Path, name: str) -> str:
+    path = tmp_path / name
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)

@@ -5,11 +5,12 @@ load into any other world size or layout, fast and safely.
 
 >>> import torch, unickpt
 >>> model = torch.nn.Linear(4, 2)
->>> unickpt.save("/tmp/unickpt-doc/init", {"model": model}, overwrite=True)  # doctest: +ELLIPSIS
-SaveReport(...)
+>>> unickpt.save("/tmp/unickpt-doc/init", {"model": model}, overwrite=True)  # doctest: +SKIP
 """
 
+from ._version import __version__ as __version__
 from .api import async_save, load, save, wait_pending
+from .checkpointer import Checkpointer
 from .config import Config, get_config
 from .engine.futures import SaveFuture
 from .errors import (
@@ -25,8 +26,6 @@ from .errors import (
 )
 from .layouts.leaves import FlatShard, PerRank, ShardedTensor
 
-from ._version import __version__
-
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
@@ -35,6 +34,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointVersionError",
+    "Checkpointer",
     "Config",
     "DistributedCheckpointError",
     "FlatShard",

@@ -16,6 +16,8 @@ from . import errors as E
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+L = TypeVar("L")
+S = TypeVar("S")
 
 _GROUPS: dict[tuple[int, ...], Any] = {}
 _GROUPS_LOCK = threading.Lock()
@@ -98,7 +100,7 @@ def failure_of(rank: int, exc: BaseException) -> RankFailure:
     return RankFailure(rank, type(exc).__name__, str(exc), traceback.format_exc())
 
 
-def run_step(comm: Comm, step: str, fn: Callable[[], T]) -> tuple[T, list[Any]]:
+def run_step(comm: Comm, step: str, fn: Callable[[], tuple[L, S]]) -> tuple[L, list[S]]:
     """Run ``fn`` on every rank and all-gather its payload; raise everywhere if any rank failed.
 
     Returns this rank's result and the list of all ranks' results (``fn`` returns what the
@@ -109,7 +111,7 @@ def run_step(comm: Comm, step: str, fn: Callable[[], T]) -> tuple[T, list[Any]]:
     failure: RankFailure | None = None
     caught: BaseException | None = None
     try:
-        local, shared = fn()  # type: ignore[misc]
+        local, shared = fn()
     except Exception as e:  # noqa: BLE001 - every failure is reported to every rank
         failure, caught = failure_of(comm.rank, e), e
     gathered = comm.all_gather((failure, shared))
@@ -130,7 +132,8 @@ def raise_failures(
     cls: type[E.CheckpointError] = E.CheckpointError
     if len(kinds) == 1 and isinstance(getattr(E, failed[0].kind, None), type):
         candidate = getattr(E, failed[0].kind)
-        if issubclass(candidate, E.CheckpointError) and candidate is not E.DistributedCheckpointError:
+        is_plain = candidate is not E.DistributedCheckpointError
+        if issubclass(candidate, E.CheckpointError) and is_plain:
             cls = candidate
     lines = "\n".join(f"  rank {f.rank}: {f.kind}: {f.message}" for f in failed)
     message = f"{step} failed on {len(failed)} of {comm.world_size} ranks:\n{lines}"

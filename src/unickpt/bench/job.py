@@ -94,7 +94,11 @@ def _create(name: str) -> tuple[CheckpointSystem | None, str, str]:
 
 
 def _run_system(
-    name: str, args: argparse.Namespace, state: TrainState, reshard: TrainState, base: IterationBaseline
+    name: str,
+    args: argparse.Namespace,
+    state: TrainState,
+    reshard: TrainState,
+    base: IterationBaseline,
 ) -> SystemResult | None:
     info = SYSTEMS_BY_NAME[name]
     system, status, message = _create(name)
@@ -121,7 +125,9 @@ def _run_system(
 
 
 def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
-    logging.basicConfig(level=args.log_level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s"
+    )
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(args.world))
@@ -142,7 +148,11 @@ def _run_rank(args: argparse.Namespace) -> None:
     dist.all_reduce(sizes)
     results.write(
         "info",
-        {"state_bytes": int(sizes.item()), "params": config.param_count, "model": dataclasses.asdict(config)},
+        {
+            "state_bytes": int(sizes.item()),
+            "params": config.param_count,
+            "model": dataclasses.asdict(config),
+        },
     )
     if args.hardware:
         hardware = measure_hardware(args.workdir, local_state_bytes(state))
@@ -160,7 +170,9 @@ def _run_rank(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_rank_main, args=(args, _free_port()), nprocs=args.world, start_method="spawn")
+    mp.start_processes(
+        _rank_main, args=(args, _free_port()), nprocs=args.world, start_method="spawn"
+    )
     return 0
 
 

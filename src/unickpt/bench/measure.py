@@ -52,7 +52,9 @@ def _read_io(pid: int) -> IoCounters:
         return IoCounters()
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
     return IoCounters(
-        int(fields.get("rchar", 0)), int(fields.get("read_bytes", 0)), int(fields.get("write_bytes", 0))
+        int(fields.get("rchar", 0)),
+        int(fields.get("read_bytes", 0)),
+        int(fields.get("write_bytes", 0)),
     )
 
 

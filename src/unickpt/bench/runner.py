@@ -167,7 +167,9 @@ def _load(
         return _LoadPhase(None, 0, 0, 0, None)
     bad = mismatches(expected, fingerprint(state))
     if bad:
-        log.warning("%s: %d tensors differ after %s, e.g. %s", system.info.name, len(bad), what, bad[0])
+        log.warning(
+            "%s: %d tensors differ after %s, e.g. %s", system.info.name, len(bad), what, bad[0]
+        )
     return _LoadPhase(seconds, moved.rchar, moved.read_bytes, memory.extra_bytes, len(bad))
 
 

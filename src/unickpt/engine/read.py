@@ -17,7 +17,7 @@ import torch
 
 from ..config import Config
 from ..errors import CheckpointCorruptError
-from ..format.dtypes import byte_view, itemsize
+from ..format.dtypes import buffer_of, byte_view, itemsize
 from ..layouts.boxes import Box, contiguous_runs, row_major_strides
 from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
@@ -117,13 +117,13 @@ class _Reader:
 
     def _read_verified(self, item: ReadItem, start: int, out: torch.Tensor) -> None:
         """Read chunk bytes ``[start, start + len(out))`` (segment-aligned when verifying)."""
-        self.storage.read_into(item.file, item.chunk.byte_offset + start, memoryview(out.numpy()))
+        self.storage.read_into(item.file, item.chunk.byte_offset + start, buffer_of(out))
         if self.verify and item.chunk.checksums:
             self._check(item, start, out)
 
     def _check(self, item: ReadItem, start: int, data: torch.Tensor) -> None:
         seg = self.segment
-        mv = memoryview(data.numpy())
+        mv = buffer_of(data)
         for pos in range(0, len(mv), seg):
             index = (start + pos) // seg
             found = digest(mv[pos : pos + seg])
@@ -148,7 +148,7 @@ class _Reader:
             return self._read_span(item, lo, hi, int(starts[0]))
         if len(starts) > _MANY_RUNS and run * size < _SMALL_RUN_BYTES:
             return self._read_span(item, first, end, int(starts[0]))
-        return self._read_runs(item, starts, run * size)
+        return self._read_runs(item, [int(s) for s in starts], run * size)
 
     def _read_span(self, item: ReadItem, lo: int, hi: int, first_elem: int) -> int:
         buf = torch.empty(hi - lo, dtype=torch.uint8)
@@ -171,7 +171,7 @@ class _Reader:
         base = item.chunk.byte_offset
         for i, s in enumerate(starts):
             part = out[i * run_bytes : (i + 1) * run_bytes]
-            self.storage.read_into(item.file, base + int(s) * size, memoryview(part.numpy()))
+            self.storage.read_into(item.file, base + int(s) * size, buffer_of(part))
         if not direct:
             item.dest.copy_(target)
         return len(starts) * run_bytes

@@ -13,8 +13,8 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -108,15 +108,13 @@ def prepare(
             _PLAN_CACHE.clear()
             _PLAN_CACHE[key] = global_plan
     except BaseException:
-        for release in held:
-            release()
+        for undo in held:
+            undo()
         raise
     items = global_plan.writes[comm.rank]
     views = _views_for(flat, items)
     release = held[0] if held else None
-    return PreparedSave(
-        comm, save_id, global_plan, items, views, values, per_rank, cached, release
-    )
+    return PreparedSave(comm, save_id, global_plan, items, views, values, per_rank, cached, release)
 
 
 def _views_for(flat: Flattened, items: tuple[WriteItem, ...]) -> list[torch.Tensor]:

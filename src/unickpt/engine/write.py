@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
-from ..format.dtypes import byte_view
+from ..format.dtypes import buffer_of, byte_view
 from ..planning.save_plan import WriteItem
 from ..storage.base import Storage, WriteHandle
 from .checksum import segment_digests
@@ -134,7 +134,7 @@ def _run_task(
     if len(task.spans) == 1:
         span = task.spans[0]
         data = sources[span.item].contiguous_bytes()[span.start : span.start + span.nbytes]
-        mv = memoryview(data.numpy())
+        mv = buffer_of(data)
         out[(span.item, span.start)] = segment_digests(mv, segment)
         handle.write_at(task.file_offset, mv)
         return out
@@ -144,9 +144,9 @@ def _run_task(
         part = buf[pos : pos + span.nbytes]
         if span.nbytes:
             sources[span.item].copy_into(part)
-        out[(span.item, 0)] = segment_digests(memoryview(part.numpy()), segment)
+        out[(span.item, 0)] = segment_digests(buffer_of(part), segment)
         pos += span.nbytes
-    handle.write_at(task.file_offset, memoryview(buf.numpy()))
+    handle.write_at(task.file_offset, buffer_of(buf))
     return out
 
 

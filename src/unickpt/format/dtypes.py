@@ -42,6 +42,11 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
         ) from e
 
 
+def buffer_of(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU uint8 tensor's bytes (no copy)."""
+    return memoryview(t.numpy())  # type: ignore[arg-type]
+
+
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     """The bytes of a contiguous CPU tensor as a numpy uint8 array (no copy)."""
     return byte_view(t).numpy()

@@ -71,8 +71,8 @@ def flat_range_to_boxes(shape: Sequence[int], start: int, numel: int) -> list[Bo
     The boxes come in flattening order; each is contiguous in the flattening, so box ``i``
     occupies ``[start + sum(numel of boxes before i), ...)``.
 
-    >>> flat_range_to_boxes((3, 4), 2, 7)
-    [Box(offsets=(0, 2), lengths=(1, 2)), Box(offsets=(1, 0), lengths=(1, 4)), Box(offsets=(2, 0), lengths=(1, 1))]
+    >>> [(b.offsets, b.lengths) for b in flat_range_to_boxes((3, 4), 2, 7)]
+    [((0, 2), (1, 2)), ((1, 0), (1, 4)), ((2, 0), (1, 1))]
     """
     shape = tuple(int(s) for s in shape)
     if numel <= 0 or math.prod(shape) == 0:

@@ -32,9 +32,7 @@ def dtensor_box(key: str, dt: Any) -> Box | None:
         )
     if dt.device_mesh.get_coordinate() is None:
         return None
-    shape, offsets = compute_local_shape_and_global_offset(
-        dt.shape, dt.device_mesh, dt.placements
-    )
+    shape, offsets = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
     local = dt.to_local()
     if tuple(local.shape) != tuple(shape):
         raise CheckpointError(

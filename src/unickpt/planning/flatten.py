@@ -1,6 +1,7 @@
 """Flatten a state into leaves with dotted keys: tensors (as boxes), values, per-rank values.
 
-Containers (dicts and lists) are walked; objects with ``state_dict``/``load_state_dict`` are
+Dicts are walked, and lists that hold tensors or objects (a list of plain values is one value);
+objects with ``state_dict``/``load_state_dict`` are
 replaced by their state dict (modules and optimizers keyed by parameter names); tensors,
 DTensors, :class:`ShardedTensor` and :class:`FlatShard` become :class:`TensorLeaf` items holding
 the boxes this rank has; :class:`PerRank` and every other value become value leaves.
@@ -89,7 +90,7 @@ class _Walker:
             self.value(key, value, _setter(parent, slot))
         elif isinstance(value, dict) and not is_stateful(value):
             self.walk_dict(value, key + ".")
-        elif isinstance(value, list):
+        elif isinstance(value, list) and _holds_state(value):
             for i, v in enumerate(value):
                 self.visit(v, f"{key}.{i}", value, i)
         elif isinstance(value, PerRank):
@@ -106,6 +107,17 @@ class _Walker:
 
     def value(self, key: str, value: Any, setter: Callable[[Any], None] | None) -> None:
         self.out.values[self.claim(key)] = ValueLeaf(key, value, setter)
+
+
+def _holds_state(value: Any) -> bool:
+    """Whether a container holds tensors or objects (then it is walked, not stored whole)."""
+    if isinstance(value, (torch.Tensor, ShardedTensor, FlatShard, PerRank)):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_state(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_state(v) for v in value)
+    return is_stateful(value)
 
 
 def _setter(parent: Any, slot: Any) -> Callable[[Any], None] | None:
@@ -129,8 +141,8 @@ def tensor_leaf(key: str, value: Any) -> TensorLeaf:
         return TensorLeaf(key, value.local.dtype, value.global_shape, "flat", _flat_pieces(value))
     if is_dtensor(value):
         local = value.to_local().detach()
-        box = dtensor_box(key, value)
-        pieces = [(box, local)] if box is not None else []
+        held = dtensor_box(key, value)
+        pieces = [(held, local)] if held is not None else []
         return TensorLeaf(key, local.dtype, tuple(int(s) for s in value.shape), "dtensor", pieces)
     t = value.detach()
     shape = tuple(int(s) for s in t.shape)

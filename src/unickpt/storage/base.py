@@ -10,8 +10,8 @@ then on the coordinating rank ``write_atomic`` for the metadata and last for the
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from ..errors import CheckpointCorruptError
 

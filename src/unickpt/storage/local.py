@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -151,10 +152,8 @@ class LocalStorage(Storage):
             return []
 
     def remove(self, name: str) -> None:
-        try:
+        with contextlib.suppress(IsADirectoryError):
             self._path(name).unlink(missing_ok=True)
-        except IsADirectoryError:
-            pass
 
     def acquire_lock(self) -> Callable[[], None]:
         """An exclusive advisory lock on ``LOCK`` in the folder, released at process exit too."""

@@ -1,0 +1,1 @@
+"""The ``unickpt`` command line."""

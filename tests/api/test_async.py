@@ -1,0 +1,95 @@
+"""Asynchronous saves: the checkpoint holds the values of the moment of the call."""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+import unickpt
+from unickpt.storage import LocalStorage
+from unickpt.storage.base import WriteHandle
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, 64)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _saved(path: Path) -> dict[str, torch.Tensor]:
+    model, _ = _model()
+    for p in model.parameters():
+        p.data.zero_()
+    unickpt.load(path, {"model": model}, strict=False)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_async_save_holds_values_at_snapshot(tmp_path: Path) -> None:
+    model, opt = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fut = unickpt.async_save(tmp_path / "a", {"model": model, "optimizer": opt})
+    fut.wait_snapshot()
+    for _ in range(3):
+        _train(model, opt)
+    fut.wait()
+    assert fut.done() and fut.durable_s is not None
+    saved = _saved(tmp_path / "a")
+    for k, v in before.items():
+        assert torch.equal(saved[k], v), k
+        assert not torch.equal(model.state_dict()[k], v)
+
+
+def test_background_snapshot_waits_for_next_optimizer_step(tmp_path: Path) -> None:
+    model, opt = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for i in range(3):
+        fut = unickpt.async_save(
+            tmp_path / f"z{i}", {"model": model, "optimizer": opt}, background_snapshot=True
+        )
+        _train(model, opt)  # forward and backward overlap the snapshot; step() waits for it
+        fut.wait()
+        saved = _saved(tmp_path / f"z{i}")
+        for k, v in before.items():
+            assert torch.equal(saved[k], v), (i, k)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_saves_are_ordered_and_reuse_staging(tmp_path: Path) -> None:
+    from unickpt.engine.staging import ARENA
+
+    model, opt = _model()
+    futures = []
+    for i in range(4):
+        futures.append(unickpt.async_save(tmp_path / f"s{i}", {"model": model, "i": i}))
+        capacity = ARENA.capacity_bytes
+        _train(model, opt)
+    for f in futures:
+        f.wait()
+    assert ARENA.capacity_bytes == capacity
+
+
+class _FailingStorage(LocalStorage):
+    """A backend whose data writes fail, as a full or broken device would."""
+
+    def create(self, name: str, nbytes: int) -> WriteHandle:
+        raise unickpt.CheckpointError(f"writing {name} failed: the device is gone")
+
+
+def test_wait_reraises_background_failure_with_traceback(tmp_path: Path) -> None:
+    model, _ = _model()
+    fut = unickpt.async_save(_FailingStorage(tmp_path / "f"), {"model": model})
+    with pytest.raises(unickpt.CheckpointError, match="the device is gone") as info:
+        fut.wait()
+    frames = "".join(traceback.format_tb(info.value.__traceback__))
+    assert "write_and_commit" in frames
+    with pytest.raises(unickpt.CheckpointNotFoundError):
+        unickpt.load(tmp_path / "f", {"model": model})

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,10 +12,6 @@ from typing import Any
 import pytest
 import torch
 import xxhash
-
-_DATA = re.compile(r"^data-([0-9a-f]+)-\d+\.bin$")
-_METADATA = re.compile(r"^metadata-([0-9a-f]+)\.json$")
-
 
 def bits(t: torch.Tensor) -> bytes:
     """The raw bytes of a tensor (bitwise comparison; NaN equals the same NaN)."""
@@ -42,29 +37,47 @@ def read_metadata(folder: Path) -> dict[str, Any]:
 
 def write_metadata(folder: Path, doc: dict[str, Any], commit: dict[str, Any] | None = None) -> None:
     """Replace the metadata with ``doc`` and re-pin it in COMMIT (a well-formed forgery)."""
-    raw = json.dumps(doc, separators=(",", ":")).encode()
+    metadata_path(folder).write_bytes(json.dumps(doc, separators=(",", ":")).encode())
+    repin(folder, commit)
+
+
+def _pin(raw: bytes) -> tuple[int, str]:
+    return len(raw), xxhash.xxh3_64_hexdigest(raw)
+
+
+def repin(folder: Path, commit: dict[str, Any] | None = None) -> None:
+    """Recompute the sizes and checksums that pin files: index files in the metadata, the
+    metadata in COMMIT (with ``commit`` fields overridden), so a forged file looks intact."""
     path = metadata_path(folder)
-    path.write_bytes(raw)
+    doc = json.loads(path.read_bytes())
+    refs = [f for f in doc.get("files", []) if isinstance(f, dict) and "index" in f]
+    for ref in refs:
+        index = folder / str(ref["index"])
+        if index.is_file() and index.parent == folder:
+            ref["index_nbytes"], ref["index_checksum"] = _pin(index.read_bytes())
+    if refs:
+        path.write_bytes(json.dumps(doc, separators=(",", ":")).encode())
     record = {**read_commit(folder), **(commit or {})}
-    record["metadata_nbytes"] = len(raw)
-    record["metadata_checksum"] = xxhash.xxh3_64_hexdigest(raw)
+    record["metadata_nbytes"], record["metadata_checksum"] = _pin(path.read_bytes())
     (folder / "COMMIT").write_text(json.dumps(record, indent=1))
 
 
+def _strings(doc: Any) -> Iterator[str]:
+    if isinstance(doc, str):
+        yield doc
+    elif isinstance(doc, dict):
+        for v in doc.values():
+            yield from _strings(v)
+    elif isinstance(doc, list):
+        for v in doc:
+            yield from _strings(v)
+
+
 def debris(folder: Path) -> list[str]:
-    """Names in a committed checkpoint folder that its COMMIT does not account for."""
+    """Names in a committed checkpoint folder that neither COMMIT nor the metadata names."""
     commit = read_commit(folder)
-    save_id = commit["save_id"]
-    extra = []
-    for p in sorted(folder.iterdir()):
-        name = p.name
-        if name in ("COMMIT", "LOCK", commit["metadata_file"]):
-            continue
-        m = _DATA.match(name)
-        if m and m.group(1) == save_id:
-            continue
-        extra.append(name)
-    return extra
+    named = {"COMMIT", "LOCK", commit["metadata_file"], *_strings(read_metadata(folder))}
+    return sorted(p.name for p in folder.iterdir() if p.name not in named)
 
 
 def tmp_files(root: Path) -> list[str]:

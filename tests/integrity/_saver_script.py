@@ -22,6 +22,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 import traceback
 import zlib
@@ -135,7 +136,19 @@ def _run_worker(cmd: dict[str, Any]) -> None:
         os._exit(code)
 
 
+def _warm_up() -> None:
+    """Run one save and load here, so forked workers find every lazy import already done."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        state = build_state()
+        set_step(state, 0)
+        with unickpt.Checkpointer(tmp, async_save=False) as ckpt:
+            ckpt.save(0, state)
+            ckpt.load_latest(state)
+
+
 def serve() -> None:
+    _warm_up()
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "run":

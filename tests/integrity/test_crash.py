@@ -22,8 +22,8 @@ from tests.integrity._helpers import debris, tmp_files
 from tests.integrity._procs import SaverServer, committed_steps
 from tests.integrity._saver_script import KEEP_LAST, build_state, check_step, set_step
 
-TRIALS = int(os.environ.get("UNICKPT_KILL_TRIALS", "20"))
-MAX_DELAY_S = 0.4
+TRIALS = int(os.environ.get("UNICKPT_KILL_TRIALS", "25"))
+MAX_DELAY_S = 0.3
 SENTINEL = -7
 
 
@@ -151,7 +151,7 @@ def test_single_folder_overwrite_survives_sigkill(
         set_step(state, known)
         unickpt.save(path, state, overwrite=True)
         names = sorted(p.name for p in path.iterdir())
-        if len(names) != 4 or debris(path):
+        if debris(path) or tmp_files(path):
             problems.append(f"the folder holds {names} after a finished save")
         set_step(state, SENTINEL)
         unickpt.load(path, state)

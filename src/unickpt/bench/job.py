@@ -159,7 +159,7 @@ def _run_rank(args: argparse.Namespace) -> None:
         results.write("hardware", hardware.to_dict())
     base = measure_baseline(state)
     log.info("iteration baseline: %s", base)
-    for name in args.systems.split(","):
+    for name in [n for n in args.systems.split(",") if n]:
         results.write("start", {"name": name})
         log.info("running %s", name)
         result = _run_system(name, args, state, reshard, base)

@@ -4,8 +4,8 @@ Collective: every rank runs :func:`measure_system` with the same system at the s
 Definitions (per rank; :mod:`unickpt.bench.results` folds ranks together):
 
 * blocking: time inside the save call, plus the wait before the state may change
-  (``wait_until_mutable``), plus what the next ``optimizer.step()`` takes beyond its usual time
-  (the zero-stall mode waits there for the background copy);
+  (``wait_until_mutable``), plus, for systems whose next ``optimizer.step()`` waits for the save
+  (zero-stall), what that step takes beyond its usual time;
 * iteration slowdown: how much longer the forward, backward and step right after the save take
   than usual (background copies and writes compete for the same cores);
 * durable: from the save call until the checkpoint is committed and fsynced.
@@ -126,7 +126,7 @@ def _save(
     step_wait = max(0.0, (t3 - t2) - base.step_s)
     slowdown = (t3 - t1) - (base.forward_backward_s + base.step_s)
     return _SavePhase(
-        blocking_s=(t1 - t0) + step_wait,
+        blocking_s=(t1 - t0) + (step_wait if handle.step_waits else 0.0),
         step_wait_s=step_wait,
         slowdown_s=slowdown,
         durable_s=durable_at - t0,

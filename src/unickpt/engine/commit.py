@@ -9,17 +9,27 @@ from __future__ import annotations
 
 import logging
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
-from ..format.codec import decode_commit, decode_metadata, encode_commit, encode_metadata
-from ..format.metadata import COMMIT_FILE, CommitRecord, Metadata
+from ..format.codec import (
+    assemble,
+    decode_commit,
+    decode_index,
+    decode_metadata,
+    encode_commit,
+    encode_metadata,
+)
+from ..format.metadata import COMMIT_FILE, ChunkMeta, CommitRecord, FileRef, Metadata
 from ..storage.base import Storage, check_name
 from .checksum import digest
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "LOCK"
-_OURS = re.compile(r"^(metadata-[0-9a-f]+\.json|data-[0-9a-f]+-\d+\.bin|\..*\.tmp)$")
+_OURS = re.compile(
+    r"^(metadata-[0-9a-f]+\.json|(data|index)-[0-9a-f]+-\d+\.(bin|json)|\..*\.tmp)$"
+)
 
 
 def metadata_name(save_id: str) -> str:
@@ -28,6 +38,10 @@ def metadata_name(save_id: str) -> str:
 
 def data_name(save_id: str, rank: int) -> str:
     return f"data-{save_id}-{rank:05d}.bin"
+
+
+def index_name(save_id: str, rank: int) -> str:
+    return f"index-{save_id}-{rank:05d}.json"
 
 
 def read_commit(storage: Storage) -> CommitRecord | None:
@@ -57,9 +71,32 @@ def read_checkpoint(storage: Storage) -> tuple[CommitRecord, Metadata]:
             f"{record.metadata_checksum}; the metadata is damaged. Load an earlier checkpoint."
         )
     meta = decode_metadata(raw, where)
-    for f in meta.files:
-        check_name(f)
-    return record, meta
+    for ref in meta.file_refs:
+        check_name(ref.data)
+        check_name(ref.index)
+    with ThreadPoolExecutor(8, thread_name_prefix="unickpt-index") as pool:
+        indexes = list(
+            pool.map(lambda i: _read_index(storage, meta.file_refs[i], i), range(len(meta.files)))
+        )
+    return record, assemble(meta, indexes)
+
+
+def _read_index(storage: Storage, ref: FileRef, file: int) -> list[tuple[str, ChunkMeta]]:
+    where = f"{storage.location}/{ref.index}"
+    raw = storage.read_bytes(ref.index)
+    if raw is None:
+        raise CheckpointCorruptError(
+            f"{where} is missing but the metadata names it; the checkpoint is damaged. "
+            "Load an earlier checkpoint."
+        )
+    found = digest(memoryview(raw))
+    if len(raw) != ref.index_nbytes or found != ref.index_checksum:
+        raise CheckpointCorruptError(
+            f"{where} has {len(raw)} bytes with checksum {found}, but the metadata expects "
+            f"{ref.index_nbytes} bytes with checksum {ref.index_checksum}; the index is damaged. "
+            "Load an earlier checkpoint."
+        )
+    return decode_index(raw, where, file)
 
 
 def _not_found_message(storage: Storage) -> str:
@@ -87,7 +124,7 @@ def commit(storage: Storage, meta: Metadata, save_id: str) -> None:
     storage.write_atomic(name, raw)
     record = CommitRecord(name, len(raw), digest(memoryview(raw)), save_id)
     storage.write_atomic(COMMIT_FILE, encode_commit(record))
-    keep = {COMMIT_FILE, name, LOCK_FILE, *meta.files}
+    keep = {COMMIT_FILE, name, LOCK_FILE, *meta.files, *(r.index for r in meta.file_refs)}
     remove_debris(storage, keep)
 
 

@@ -2,8 +2,8 @@
 
 :func:`prepare` runs in the caller's thread on every rank and ends with the plan every rank
 agrees on. :func:`write_and_commit` can run in a background thread: each rank writes its data
-file, the coordinator gathers checksums, writes the metadata and the commit marker, and every
-rank learns the outcome.
+file and its index (chunks and checksums), the coordinator gathers the file references, writes
+the metadata and the commit marker, and every rank learns the outcome.
 """
 
 from __future__ import annotations
@@ -24,14 +24,16 @@ from ..config import Config
 from ..dist import Comm, RankFailure, failure_of, raise_failures, run_step
 from ..errors import CheckpointExistsError
 from ..format.dtypes import dtype_name
-from ..format.metadata import ChunkMeta, Metadata, TensorMeta
+from ..format.codec import encode_index
+from ..format.metadata import ChunkMeta, FileRef, Metadata, TensorMeta
 from ..format.values import encode_value, needs_pickle
 from ..layouts.boxes import Box
 from ..planning.flatten import Flattened, flatten_state
 from ..planning.save_plan import GlobalPlan, LocalPlan, TensorDecl, WriteItem, build_global_plan
 from ..storage.base import Storage
-from .commit import commit, data_name, read_commit
-from .write import ItemSource, WriteResult, write_file
+from .checksum import digest
+from .commit import commit, data_name, index_name, read_commit
+from .write import ItemSource, write_file
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,7 @@ def prepare(
         for undo in held:
             undo()
         raise
-    items = global_plan.writes[comm.rank]
+    items = global_plan.writes(comm.rank)
     views = _views_for(flat, items)
     release = held[0] if held else None
     return PreparedSave(comm, save_id, global_plan, items, views, values, per_rank, cached, release)
@@ -143,17 +145,16 @@ def write_and_commit(
     """Write this rank's file, then commit on the coordinator; raise everywhere on failure."""
     comm = prep.comm
     t0 = time.perf_counter()
-    result: WriteResult | None = None
+    ref: FileRef | None = None
     failure: RankFailure | None = None
     caught: BaseException | None = None
-    name = data_name(prep.save_id, comm.rank)
     try:
         if prep.items:
-            result = write_file(storage, name, prep.items, sources, config)
+            ref = _write_rank_files(prep, storage, sources, config)
     except Exception as e:  # noqa: BLE001 - reported to every rank
         failure, caught = failure_of(comm.rank, e), e
     write_s = time.perf_counter() - t0
-    payload = (failure, name if prep.items else None, result, prep.per_rank)
+    payload = (failure, ref, prep.per_rank)
     outcome: list[RankFailure | None] = [failure]
     try:
         gathered = comm.gather(payload)
@@ -172,38 +173,38 @@ def write_and_commit(
             prep.release()
     outcome = comm.broadcast(outcome)
     raise_failures(comm, "saving", outcome, caught)
-    total = result.nbytes if result else 0
+    total = ref.nbytes if ref else 0
     return SaveReport(total, write_s, time.perf_counter() - t0 - write_s, prep.plan_cached)
 
 
+def _write_rank_files(
+    prep: PreparedSave, storage: Storage, sources: list[ItemSource], config: Config
+) -> FileRef:
+    """This rank's data file, then its index (chunks and checksums); both durable."""
+    name = data_name(prep.save_id, prep.comm.rank)
+    result = write_file(storage, name, prep.items, sources, config)
+    entries = [
+        (i.key, ChunkMeta(i.box.offsets, i.box.lengths, 0, i.byte_offset, i.nbytes, sums))
+        for i, sums in zip(prep.items, result.checksums)
+    ]
+    raw = encode_index(name, entries)
+    index = index_name(prep.save_id, prep.comm.rank)
+    storage.write_atomic(index, raw)
+    return FileRef(name, result.nbytes, index, len(raw), digest(memoryview(raw)))
+
+
 def _metadata(prep: PreparedSave, gathered: list[Any], config: Config) -> Metadata:
-    files: list[str] = []
-    chunks: dict[str, list[ChunkMeta]] = {k: [] for k in prep.plan.tensors}
-    for rank, (_, name, result, _) in enumerate(gathered):
-        if name is None:
-            continue
-        files.append(name)
-        for item, sums in zip(prep.plan.writes[rank], result.checksums):
-            chunks[item.key].append(
-                ChunkMeta(
-                    item.box.offsets,
-                    item.box.lengths,
-                    len(files) - 1,
-                    item.byte_offset,
-                    item.nbytes,
-                    sums,
-                )
-            )
+    refs = tuple(g[1] for g in gathered if g[1] is not None)
     tensors = {
-        k: TensorMeta(dtype, shape, layout, tuple(sorted(chunks[k], key=lambda c: c.offsets)))
+        k: TensorMeta(dtype, shape, layout, ())
         for k, (dtype, shape, layout) in prep.plan.tensors.items()
     }
-    per_rank = {k: tuple(g[3][k] for g in gathered) for k in prep.plan.per_rank_keys}
+    per_rank = {k: tuple(g[2][k] for g in gathered) for k in prep.plan.per_rank_keys}
     pickled = [k for k, v in prep.values.items() if needs_pickle(v)]
     pickled += [k for k, v in per_rank.items() if any(needs_pickle(x) for x in v)]
     return Metadata(
         world_size=prep.comm.world_size,
-        files=tuple(files),
+        files=tuple(r.data for r in refs),
         tensors=tensors,
         objects=prep.values,
         per_rank=per_rank,
@@ -211,6 +212,7 @@ def _metadata(prep: PreparedSave, gathered: list[Any], config: Config) -> Metada
         created_unix_s=time.time(),
         producer={"unickpt": __version__, "torch": torch.__version__},
         pickled_keys=tuple(sorted(pickled)),
+        file_refs=refs,
     )
 
 

@@ -5,6 +5,7 @@ from .metadata import (
     FORMAT_VERSION,
     ChunkMeta,
     CommitRecord,
+    FileRef,
     Metadata,
     TensorMeta,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "FORMAT_VERSION",
     "ChunkMeta",
     "CommitRecord",
+    "FileRef",
     "Metadata",
     "TensorMeta",
 ]

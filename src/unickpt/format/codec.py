@@ -1,19 +1,32 @@
-"""JSON (de)serialization of the metadata and the commit marker. Never pickle.
+"""JSON (de)serialization of the metadata, the per-file indexes and the commit marker.
 
-Any malformed input raises :class:`CheckpointCorruptError`; a newer version raises
-:class:`CheckpointVersionError`.
+Never pickle. Any malformed input raises :class:`CheckpointCorruptError`; a newer version
+raises :class:`CheckpointVersionError`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointVersionError
-from .metadata import FORMAT_NAME, FORMAT_VERSION, ChunkMeta, CommitRecord, Metadata, TensorMeta
+from .metadata import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    ChunkMeta,
+    CommitRecord,
+    FileRef,
+    Metadata,
+    TensorMeta,
+)
+
+INDEX_FORMAT = "unickpt-index"
 
 
 def encode_metadata(meta: Metadata) -> bytes:
+    """The global metadata: tensors (without chunks), files, values."""
     doc = {
         "format": FORMAT_NAME,
         "version": meta.version,
@@ -22,8 +35,20 @@ def encode_metadata(meta: Metadata) -> bytes:
         "producer": meta.producer,
         "checksum_algorithm": meta.checksum_algorithm,
         "segment_bytes": meta.segment_bytes,
-        "files": list(meta.files),
-        "tensors": {k: _encode_tensor(t) for k, t in meta.tensors.items()},
+        "files": [
+            {
+                "data": f.data,
+                "nbytes": f.nbytes,
+                "index": f.index,
+                "index_nbytes": f.index_nbytes,
+                "index_checksum": f.index_checksum,
+            }
+            for f in meta.file_refs
+        ],
+        "tensors": {
+            k: {"dtype": t.dtype, "shape": list(t.shape), "layout": t.layout}
+            for k, t in meta.tensors.items()
+        },
         "objects": meta.objects,
         "per_rank": {k: list(v) for k, v in meta.per_rank.items()},
         "pickled_keys": list(meta.pickled_keys),
@@ -31,27 +56,30 @@ def encode_metadata(meta: Metadata) -> bytes:
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
-def _encode_tensor(t: TensorMeta) -> dict[str, Any]:
-    return {
-        "dtype": t.dtype,
-        "shape": list(t.shape),
-        "layout": t.layout,
-        "chunks": [
-            [list(c.offsets), list(c.lengths), c.file, c.byte_offset, c.nbytes, list(c.checksums)]
-            for c in t.chunks
-        ],
-    }
-
-
 def decode_metadata(raw: bytes, source: str) -> Metadata:
+    """The global metadata; tensors have no chunks until :func:`assemble` adds them."""
     doc = _load_json(raw, source)
-    _check_header(doc, source)
+    _check_header(doc, source, FORMAT_NAME)
     try:
-        files = tuple(str(f) for f in doc["files"])
-        tensors = {str(k): _decode_tensor(v, len(files)) for k, v in doc["tensors"].items()}
+        refs = tuple(
+            FileRef(
+                str(f["data"]),
+                int(f["nbytes"]),
+                str(f["index"]),
+                int(f["index_nbytes"]),
+                str(f["index_checksum"]),
+            )
+            for f in doc["files"]
+        )
+        tensors = {
+            str(k): TensorMeta(
+                str(v["dtype"]), tuple(int(s) for s in v["shape"]), str(v["layout"]), ()
+            )
+            for k, v in doc["tensors"].items()
+        }
         return Metadata(
             world_size=int(doc["world_size"]),
-            files=files,
+            files=tuple(r.data for r in refs),
             tensors=tensors,
             objects=dict(doc["objects"]),
             per_rank={str(k): tuple(v) for k, v in doc["per_rank"].items()},
@@ -61,6 +89,7 @@ def decode_metadata(raw: bytes, source: str) -> Metadata:
             created_unix_s=float(doc.get("created_unix_s", 0.0)),
             producer={str(k): str(v) for k, v in doc.get("producer", {}).items()},
             pickled_keys=tuple(str(k) for k in doc.get("pickled_keys", [])),
+            file_refs=refs,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointCorruptError(
@@ -69,24 +98,63 @@ def decode_metadata(raw: bytes, source: str) -> Metadata:
         ) from e
 
 
-def _decode_tensor(doc: dict[str, Any], nfiles: int) -> TensorMeta:
-    shape = tuple(int(s) for s in doc["shape"])
-    chunks = []
-    for offsets, lengths, file, byte_offset, nbytes, checksums in doc["chunks"]:
-        chunk = ChunkMeta(
-            offsets=tuple(int(o) for o in offsets),
-            lengths=tuple(int(n) for n in lengths),
-            file=int(file),
-            byte_offset=int(byte_offset),
-            nbytes=int(nbytes),
-            checksums=tuple(str(c) for c in checksums),
-        )
-        if not (0 <= chunk.file < nfiles) or chunk.byte_offset < 0 or chunk.nbytes < 0:
-            raise ValueError(f"chunk points at file {chunk.file}, offset {chunk.byte_offset}")
-        if not chunk.box.within(shape):
-            raise ValueError(f"chunk {chunk.box} lies outside shape {shape}")
-        chunks.append(chunk)
-    return TensorMeta(str(doc["dtype"]), shape, str(doc["layout"]), tuple(chunks))
+def encode_index(data_file: str, entries: Sequence[tuple[str, ChunkMeta]]) -> bytes:
+    """One data file's chunks: ``[key, offsets, lengths, byte_offset, nbytes, checksums]``."""
+    doc = {
+        "format": INDEX_FORMAT,
+        "version": FORMAT_VERSION,
+        "data": data_file,
+        "chunks": [
+            [k, list(c.offsets), list(c.lengths), c.byte_offset, c.nbytes, list(c.checksums)]
+            for k, c in entries
+        ],
+    }
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+
+def decode_index(raw: bytes, source: str, file: int) -> list[tuple[str, ChunkMeta]]:
+    doc = _load_json(raw, source)
+    _check_header(doc, source, INDEX_FORMAT)
+    try:
+        out = []
+        for key, offsets, lengths, byte_offset, nbytes, checksums in doc["chunks"]:
+            chunk = ChunkMeta(
+                offsets=tuple(int(o) for o in offsets),
+                lengths=tuple(int(n) for n in lengths),
+                file=file,
+                byte_offset=int(byte_offset),
+                nbytes=int(nbytes),
+                checksums=tuple(str(c) for c in checksums),
+            )
+            if chunk.byte_offset < 0 or chunk.nbytes < 0:
+                raise ValueError(f"chunk of '{key}' at offset {chunk.byte_offset}")
+            out.append((str(key), chunk))
+        return out
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointCorruptError(
+            f"{source}: the index is not well formed ({type(e).__name__}: {e}); the "
+            "checkpoint is damaged. Load an earlier checkpoint."
+        ) from e
+
+
+def assemble(meta: Metadata, indexes: Sequence[list[tuple[str, ChunkMeta]]]) -> Metadata:
+    """The metadata with every tensor's chunks, from the global file and the file indexes."""
+    chunks: dict[str, list[ChunkMeta]] = {k: [] for k in meta.tensors}
+    for entries in indexes:
+        for key, chunk in entries:
+            target = chunks.get(key)
+            shape = meta.tensors[key].shape if target is not None else None
+            if target is None or shape is None or not chunk.box.within(shape):
+                raise CheckpointCorruptError(
+                    f"an index lists a chunk of '{key}' at {list(chunk.offsets)} that the "
+                    "metadata does not describe; the checkpoint is damaged."
+                )
+            target.append(chunk)
+    tensors = {
+        k: replace(t, chunks=tuple(sorted(chunks[k], key=lambda c: c.offsets)))
+        for k, t in meta.tensors.items()
+    }
+    return replace(meta, tensors=tensors)
 
 
 def encode_commit(record: CommitRecord) -> bytes:
@@ -103,7 +171,7 @@ def encode_commit(record: CommitRecord) -> bytes:
 
 def decode_commit(raw: bytes, source: str) -> CommitRecord:
     doc = _load_json(raw, source)
-    _check_header(doc, source)
+    _check_header(doc, source, FORMAT_NAME)
     try:
         return CommitRecord(
             metadata_file=str(doc["metadata_file"]),
@@ -131,10 +199,10 @@ def _load_json(raw: bytes, source: str) -> dict[str, Any]:
     return doc
 
 
-def _check_header(doc: dict[str, Any], source: str) -> None:
-    if doc.get("format") != FORMAT_NAME:
+def _check_header(doc: dict[str, Any], source: str, name: str) -> None:
+    if doc.get("format") != name:
         raise CheckpointCorruptError(
-            f"{source}: format is {doc.get('format')!r}, expected {FORMAT_NAME!r}; this is not "
+            f"{source}: format is {doc.get('format')!r}, expected {name!r}; this is not "
             "a unickpt file or it is damaged."
         )
     version = doc.get("version")

@@ -1,6 +1,8 @@
 """The metadata of a checkpoint: what each tensor is, where its chunks lie, their checksums.
 
-Version 1. See docs/format.md for the byte-level description. Everything here is plain data:
+Version 1. See docs/format.md for the byte-level description. On disk the global metadata holds
+tensors, values and files; each writing rank's chunks live in that rank's index file, so the
+coordinator's work per save grows with tensors plus ranks, never with their product. Everything here is plain data:
 frozen dataclasses, encoded as JSON by :mod:`unickpt.format.codec`.
 """
 
@@ -49,6 +51,17 @@ class TensorMeta:
 
 
 @dataclass(frozen=True)
+class FileRef:
+    """A data file and the index file that lists its chunks (with their checksums)."""
+
+    data: str
+    nbytes: int
+    index: str
+    index_nbytes: int
+    index_checksum: str
+
+
+@dataclass(frozen=True)
 class Metadata:
     """Everything a reader needs besides the raw bytes of the data files."""
 
@@ -63,6 +76,7 @@ class Metadata:
     created_unix_s: float = 0.0
     producer: dict[str, str] = field(default_factory=dict)
     pickled_keys: tuple[str, ...] = ()
+    file_refs: tuple[FileRef, ...] = ()
 
     @property
     def total_bytes(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import CheckpointMismatchError
 from ..format.dtypes import dtype_from_name, itemsize
@@ -57,51 +57,86 @@ class WriteItem:
 
 @dataclass(frozen=True)
 class GlobalPlan:
+    """Who writes what. Each rank's file layout is computed when that rank asks for it."""
+
     tensors: dict[str, tuple[str, tuple[int, ...], str]]
-    writes: tuple[tuple[WriteItem, ...], ...]
+    assigned: tuple[tuple[tuple[str, Box], ...], ...]
+    itemsizes: dict[str, int]
     value_keys: tuple[str, ...]
     per_rank_keys: tuple[str, ...]
+    _layouts: dict[int, tuple[WriteItem, ...]] = field(default_factory=dict, compare=False)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.assigned)
+
+    def writes(self, rank: int) -> tuple[WriteItem, ...]:
+        """The items ``rank`` writes, laid out in its file (sorted by key, then offsets)."""
+        laid = self._layouts.get(rank)
+        if laid is None:
+            laid = _layout_file(self.assigned[rank], self.itemsizes)
+            self._layouts[rank] = laid
+        return laid
 
     def file_bytes(self, rank: int) -> int:
-        items = self.writes[rank]
-        return items[-1].byte_offset + items[-1].nbytes if items else 0
+        return sum(math.prod(b.lengths) * self.itemsizes[k] for k, b in self.assigned[rank])
 
 
 def build_global_plan(plans: list[LocalPlan]) -> GlobalPlan:
     """Check agreement, dedup replicas, balance writers, lay out files. Same result everywhere."""
     _check_same_keys(plans)
     tensors = _check_same_tensors(plans)
-    holders: dict[tuple[str, Box], list[int]] = defaultdict(list)
+    holders: dict[tuple[str, Box], list[int]] = {}
     for rank, plan in enumerate(plans):
         for key, decl in plan.tensors.items():
             for box in decl.boxes:
-                holders[(key, box)].append(rank)
+                found = holders.get((key, box))
+                if found is None:
+                    holders[(key, box)] = [rank]
+                else:
+                    found.append(rank)
     _check_coverage(tensors, holders)
     sizes = {k: itemsize(dtype_from_name(d)) for k, (d, _, _) in tensors.items()}
     assigned = _balance(holders, sizes, len(plans))
-    writes = tuple(_layout_file(items, sizes) for items in assigned)
-    return GlobalPlan(tensors, writes, plans[0].value_keys, plans[0].per_rank_keys)
+    return GlobalPlan(
+        tensors,
+        tuple(tuple(a) for a in assigned),
+        sizes,
+        plans[0].value_keys,
+        plans[0].per_rank_keys,
+    )
 
 
 def _balance(
     holders: dict[tuple[str, Box], list[int]], sizes: dict[str, int], world: int
 ) -> list[list[tuple[str, Box]]]:
-    order = sorted(holders, key=lambda kb: (-kb[1].numel * sizes[kb[0]], kb[0], kb[1].offsets))
+    """Single-holder boxes go to their holder; replicas to the least-loaded, largest first."""
     load = [0] * world
     out: list[list[tuple[str, Box]]] = [[] for _ in range(world)]
-    for key, box in order:
-        ranks = holders[(key, box)]
-        rank = ranks[0] if len(ranks) == 1 else min(ranks, key=lambda r: (load[r], r))
+    shared = []
+    for kb, ranks in holders.items():
+        if len(ranks) == 1:
+            out[ranks[0]].append(kb)
+        else:
+            shared.append(kb)
+    if shared:
+        for rank, items in enumerate(out):
+            load[rank] = sum(math.prod(b.lengths) * sizes[k] for k, b in items)
+    shared.sort(key=lambda kb: (-kb[1].numel * sizes[kb[0]], kb[0], kb[1].offsets))
+    for key, box in shared:
+        rank = min(holders[(key, box)], key=lambda r: (load[r], r))
         load[rank] += box.numel * sizes[key]
         out[rank].append((key, box))
     return out
 
 
-def _layout_file(items: list[tuple[str, Box]], sizes: dict[str, int]) -> tuple[WriteItem, ...]:
+def _layout_file(
+    items: tuple[tuple[str, Box], ...], sizes: dict[str, int]
+) -> tuple[WriteItem, ...]:
     offset = 0
     laid = []
     for key, box in sorted(items, key=lambda kb: (kb[0], kb[1].offsets)):
-        nbytes = box.numel * sizes[key]
+        nbytes = math.prod(box.lengths) * sizes[key]
         laid.append(WriteItem(key, box, offset, nbytes))
         offset += nbytes
     return tuple(laid)
@@ -146,7 +181,7 @@ def _check_coverage(
 ) -> None:
     covered: dict[str, int] = defaultdict(int)
     for key, box in holders:
-        covered[key] += box.numel
+        covered[key] += math.prod(box.lengths)
     for key, (_, shape, _) in tensors.items():
         total = math.prod(shape)
         if covered[key] != total:
@@ -165,7 +200,7 @@ def _few(keys: list[str], n: int = 5) -> str:
 
 def rank_loads(plan: GlobalPlan) -> list[int]:
     """Bytes each rank writes under ``plan``."""
-    return [plan.file_bytes(r) for r in range(len(plan.writes))]
+    return [plan.file_bytes(r) for r in range(plan.world_size)]
 
 
 __all__ = [

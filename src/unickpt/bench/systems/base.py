@@ -20,7 +20,13 @@ class Unsupported(Exception):
 
 
 class SaveHandle:
-    """What a save returns. The default is a completed synchronous save."""
+    """What a save returns. The default is a completed synchronous save.
+
+    ``step_waits`` says that the next ``optimizer.step()`` waits for the save (a hook), so the
+    extra time of that step counts as blocking.
+    """
+
+    step_waits: bool = False
 
     def wait_until_mutable(self) -> None:
         """Block until the caller may modify the saved tensors."""

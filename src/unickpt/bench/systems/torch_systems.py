@@ -13,7 +13,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
-    set_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 
 from unickpt.bench.model import TrainState
@@ -27,13 +28,10 @@ def _sharded_state(state: TrainState) -> dict[str, Any]:
 
 
 def _apply(state: TrainState, loaded: dict[str, Any], options: StateDictOptions | None) -> None:
-    set_state_dict(
-        state.model,
-        state.optimizer,
-        model_state_dict=loaded["model"],
-        optim_state_dict=loaded["optimizer"],
-        options=options,
-    )
+    # Model and optimizer separately: with broadcast_from_rank0 the other ranks pass empty
+    # dicts, which set_state_dict would take as "optimizer only".
+    set_model_state_dict(state.model, loaded["model"], options=options)
+    set_optimizer_state_dict(state.model, state.optimizer, loaded["optimizer"], options=options)
 
 
 class _FutureHandle(SaveHandle):

@@ -23,6 +23,7 @@ class _UnickptFuture(SaveHandle):
     def __init__(self, future: Any, wait_snapshot: bool) -> None:
         self._future = future
         self._wait_snapshot = wait_snapshot
+        self.step_waits = not wait_snapshot
 
     def wait_until_mutable(self) -> None:
         if self._wait_snapshot:

@@ -1,0 +1,123 @@
+"""``unickpt bench``: measure checkpoint save and load against DCP, torch.save and peers.
+
+Run it::
+
+    unickpt bench                          # ~100M parameters, 2 ranks, every system
+    unickpt bench --params 10M --systems dcp,unickpt,unickpt-zero-stall
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+from unickpt.bench import (
+    BenchConfig,
+    parse_param_count,
+    parse_systems,
+    run_bench,
+    to_markdown,
+    write_outputs,
+)
+from unickpt.bench.systems.registry import SYSTEM_INFOS
+
+_DEFAULT_PEERS_PYTHON = Path(".venv-peers/bin/python")
+_PEERS_ENV = "UNICKPT_BENCH_PEERS_PYTHON"
+
+_DESCRIPTION = """\
+Build a GPT-style transformer with AdamW (optimizer state initialized by one step), shard it
+with FSDP2 over --world CPU processes (gloo), and checkpoint it with each system in turn,
+one at a time. For each system: blocking time (how long training is stalled), time until the
+checkpoint is durable (fsync included), load time into the same layout, load time into another
+layout (every matrix Shard(1) instead of Shard(0)), bytes written and read (/proc/<pid>/io,
+summed over ranks), and peak extra resident memory (summed over ranks). The same run measures
+the machine's sequential write+fsync, read and memcpy speed. Ratios are given against DCP and
+against the hardware. Prints a markdown table; writes bench.json, bench.md and bench.png.
+
+Peer systems (bytecheckpoint, dlrover, megatron, torchsnapshot) run with the interpreter of a
+separate environment: create it with benchmarks/setup_peers.sh. Without it their rows read
+"not installed"."""
+
+
+def _systems_epilog() -> str:
+    width = max(len(info.name) for info in SYSTEM_INFOS)
+    lines = [f"  {info.name:<{width}}  {info.description}" for info in SYSTEM_INFOS]
+    return "systems:\n" + "\n".join(lines)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds the ``bench`` command."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark checkpoint save/load against DCP, torch.save and other systems",
+        description=_DESCRIPTION,
+        epilog=_systems_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--params", default="100M", help="model size, e.g. 10M, 100M, 1B (default 100M)")
+    parser.add_argument("--world", type=int, default=2, help="number of ranks (default 2)")
+    parser.add_argument(
+        "--systems", default="all", help="comma-separated names, or all / peers (default all)"
+    )
+    parser.add_argument("--out", type=Path, default=Path("out/bench"), help="report folder")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="folder for the checkpoints, on disk (default: OUT/ckpt-tmp, removed afterwards)",
+    )
+    parser.add_argument(
+        "--peers-python",
+        default=None,
+        help=f"interpreter of the peers environment (default: ${_PEERS_ENV} or .venv-peers)",
+    )
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per training step")
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="measure the first save instead of the second"
+    )
+    parser.add_argument(
+        "--system-timeout", type=float, default=900.0, help="seconds before a system counts as hung"
+    )
+    parser.set_defaults(func=run)
+
+
+def _peers_python(arg: str | None) -> str | None:
+    candidate = arg or os.environ.get(_PEERS_ENV)
+    if candidate:
+        return candidate
+    return str(_DEFAULT_PEERS_PYTHON) if _DEFAULT_PEERS_PYTHON.exists() else None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark, print the markdown table and where the reports went."""
+    try:
+        config = BenchConfig(
+            params=parse_param_count(args.params),
+            world=args.world,
+            systems=parse_systems(args.systems),
+            out=args.out,
+            workdir=args.workdir or args.out / "ckpt-tmp",
+            peers_python=_peers_python(args.peers_python),
+            seq_len=args.seq_len,
+            warmup=not args.no_warmup,
+            system_timeout_s=args.system_timeout,
+            command="unickpt " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "unickpt bench",
+        )
+    except ValueError as exc:
+        print(f"unickpt bench: {exc}", file=sys.stderr)
+        return 2
+    cleanup = args.workdir is None
+    try:
+        report = run_bench(config)
+    finally:
+        if cleanup:
+            shutil.rmtree(config.workdir, ignore_errors=True)
+    paths = write_outputs(report, config.out)
+    print(to_markdown(report))
+    for kind, path in paths.items():
+        print(f"{kind}: {path}")
+    return 0

@@ -1,0 +1,78 @@
+"""Conversions between unickpt checkpoints and other formats, by format name."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import CheckpointError
+from .export_dcp import export_dcp
+from .export_safetensors import DEFAULT_MAX_SHARD_BYTES, export_safetensors
+from .export_torch import export_torch
+from .import_dcp import import_dcp
+from .import_safetensors import import_safetensors
+from .import_torch import import_torch
+from .progress import ProgressFn
+from .reports import ConvertReport
+
+FORMATS = ("safetensors", "torch", "dcp")
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """Settings of a conversion; each applies to the directions its comment names."""
+
+    only: str | None = None  # exports: the subtree to write, prefix removed
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES  # export to safetensors
+    prefix: str | None = None  # imports: put everything under this key
+    allow_pickle: bool = False  # imports from torch and dcp
+    overwrite: bool = False
+    progress: ProgressFn | None = None
+
+
+def export_checkpoint(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], fmt: str, options: ConvertOptions
+) -> ConvertReport:
+    """Export unickpt checkpoint ``src`` to ``dst`` in format ``fmt`` (see :data:`FORMATS`)."""
+    o = options
+    if fmt == "safetensors":
+        return export_safetensors(
+            src,
+            dst,
+            only=o.only,
+            max_shard_bytes=o.max_shard_bytes,
+            overwrite=o.overwrite,
+            progress=o.progress,
+        )
+    if fmt == "torch":
+        return export_torch(src, dst, only=o.only, overwrite=o.overwrite, progress=o.progress)
+    if fmt == "dcp":
+        return export_dcp(src, dst, only=o.only, overwrite=o.overwrite, progress=o.progress)
+    raise _unknown(fmt)
+
+
+def import_checkpoint(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], fmt: str, options: ConvertOptions
+) -> ConvertReport:
+    """Import ``src`` in format ``fmt`` into a new unickpt checkpoint at ``dst``."""
+    o = options
+    if fmt == "safetensors":
+        return import_safetensors(src, dst, prefix=o.prefix, overwrite=o.overwrite)
+    if fmt == "torch":
+        return import_torch(
+            src, dst, prefix=o.prefix, allow_pickle=o.allow_pickle, overwrite=o.overwrite
+        )
+    if fmt == "dcp":
+        return import_dcp(
+            src,
+            dst,
+            prefix=o.prefix,
+            allow_pickle=o.allow_pickle,
+            overwrite=o.overwrite,
+            progress=o.progress,
+        )
+    raise _unknown(fmt)
+
+
+def _unknown(fmt: str) -> CheckpointError:
+    return CheckpointError(f"format {fmt!r} is not known; expected one of {', '.join(FORMATS)}.")

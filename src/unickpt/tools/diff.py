@@ -1,0 +1,278 @@
+"""Compare two checkpoints tensor by tensor (in row blocks) and value by value.
+
+Tensors of equal shape are compared block by block: bitwise first, and where bits differ,
+numerically in float64 (complex128 for complex dtypes). The relative difference of two
+elements is ``|a - b| / max(|a|, |b|)``; NaN equals NaN; an element that is NaN on one side
+only differs by infinity. Values are compared in their stored (JSON) encoding, which is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..engine.reader import CheckpointReader
+from ..errors import UnsafeObjectError
+from ..format.dtypes import byte_view, dtype_from_name
+from ..format.values import decode_value
+from .blocks import block_boxes
+from .inspect import short_repr
+from .progress import ProgressFn
+
+MiB = 1 << 20
+DEFAULT_BLOCK_BYTES = 32 * MiB
+
+TensorDiffKind = Literal["only_a", "only_b", "shape", "dtype", "values", "kind"]
+ValueDiffKind = Literal["only_a", "only_b", "values"]
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """A tensor that differs. ``max_abs``/``max_rel``/``differing`` are set when the values
+    were compared (same shape); ``differing`` counts elements whose bits differ."""
+
+    key: str
+    kind: TensorDiffKind
+    dtype_a: str | None
+    dtype_b: str | None
+    shape_a: tuple[int, ...] | None
+    shape_b: tuple[int, ...] | None
+    max_abs: float | None = None
+    max_rel: float | None = None
+    differing: int | None = None
+
+
+@dataclass(frozen=True)
+class ValueDiff:
+    key: str
+    kind: ValueDiffKind
+    a: str | None
+    b: str | None
+
+
+@dataclass(frozen=True)
+class DiffReport:
+    """The outcome of :func:`diff_checkpoints`; ``identical`` when nothing differs."""
+
+    a: str
+    b: str
+    tensors_compared: int
+    values_compared: int
+    bytes_compared: int
+    tensors: tuple[TensorDiff, ...]
+    values: tuple[ValueDiff, ...]
+    elapsed_s: float
+
+    @property
+    def identical(self) -> bool:
+        return not self.tensors and not self.values
+
+
+def diff_checkpoints(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    progress: ProgressFn | None = None,
+) -> DiffReport:
+    """Compare checkpoints ``a`` and ``b``. With the default tolerances any bit differing
+    counts; otherwise a tensor counts as equal when every element has
+    ``|a - b| <= atol + rtol * |b|``.
+
+    >>> report = diff_checkpoints("ckpt/step-100", "ckpt/step-200")  # doctest: +SKIP
+    >>> [(d.key, d.max_abs) for d in report.tensors]  # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    with CheckpointReader(a) as ra, CheckpointReader(b) as rb:
+        comparer = _TensorComparer(ra, rb, atol, rtol, block_bytes, progress)
+        tensors = comparer.compare_all()
+        values, nvalues = _compare_values(ra, rb)
+    return DiffReport(
+        ra.storage.location,
+        rb.storage.location,
+        comparer.compared,
+        nvalues,
+        comparer.done,
+        tuple(tensors),
+        tuple(values),
+        time.perf_counter() - t0,
+    )
+
+
+class _TensorComparer:
+    def __init__(
+        self,
+        ra: CheckpointReader,
+        rb: CheckpointReader,
+        atol: float,
+        rtol: float,
+        block_bytes: int,
+        progress: ProgressFn | None,
+    ) -> None:
+        self.ra, self.rb = ra, rb
+        self.atol, self.rtol = atol, rtol
+        self.block_bytes = block_bytes
+        self.progress = progress
+        self.compared = 0
+        self.done = 0
+        self.total = 0
+
+    def compare_all(self) -> list[TensorDiff]:
+        ta, tb = self.ra.metadata.tensors, self.rb.metadata.tensors
+        va = set(self.ra.metadata.objects) | set(self.ra.metadata.per_rank)
+        vb = set(self.rb.metadata.objects) | set(self.rb.metadata.per_rank)
+        both = sorted(set(ta) & set(tb))
+        self.total = sum(self._nbytes(k) for k in both if ta[k].shape == tb[k].shape)
+        out = []
+        for key in sorted(set(ta) | set(tb)):
+            if key in ta and key in tb:
+                found = self.compare(key)
+            elif key in ta:
+                found = self._one_sided(key, "kind" if key in vb else "only_a")
+            else:
+                found = self._one_sided(key, "kind" if key in va else "only_b")
+            if found is not None:
+                out.append(found)
+        return out
+
+    def _nbytes(self, key: str) -> int:
+        t = self.ra.metadata.tensors[key]
+        return math.prod(t.shape) * dtype_from_name(t.dtype).itemsize
+
+    def _one_sided(self, key: str, kind: TensorDiffKind) -> TensorDiff:
+        ma, mb = self.ra.metadata.tensors.get(key), self.rb.metadata.tensors.get(key)
+        return TensorDiff(
+            key,
+            kind,
+            ma.dtype if ma else None,
+            mb.dtype if mb else None,
+            tuple(ma.shape) if ma else None,
+            tuple(mb.shape) if mb else None,
+        )
+
+    def compare(self, key: str) -> TensorDiff | None:
+        ma, mb = self.ra.metadata.tensors[key], self.rb.metadata.tensors[key]
+        self.compared += 1
+        shapes = (tuple(ma.shape), tuple(mb.shape))
+        if shapes[0] != shapes[1]:
+            return TensorDiff(key, "shape", ma.dtype, mb.dtype, *shapes)
+        stats = _Stats()
+        size = max(dtype_from_name(ma.dtype).itemsize, dtype_from_name(mb.dtype).itemsize, 8)
+        for box in block_boxes(ma.shape, size, self.block_bytes):
+            xa = self.ra.read_tensor(key, box=box)
+            xb = self.rb.read_tensor(key, box=box)
+            stats.add(xa, xb, self.atol, self.rtol)
+            self.done += xa.numel() * xa.element_size()
+            if self.progress is not None:
+                self.progress(self.done, self.total)
+        if ma.dtype == mb.dtype and not stats.beyond_tolerance:
+            return None
+        kind: TensorDiffKind = "values" if ma.dtype == mb.dtype else "dtype"
+        return TensorDiff(
+            key, kind, ma.dtype, mb.dtype, *shapes, stats.max_abs, stats.max_rel, stats.differing
+        )
+
+
+class _Stats:
+    """Running maxima of the differences of one tensor over its blocks."""
+
+    def __init__(self) -> None:
+        self.max_abs = 0.0
+        self.max_rel = 0.0
+        self.differing = 0
+        self.beyond_tolerance = False
+
+    def add(self, a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> None:
+        if a.dtype == b.dtype and torch.equal(byte_view(a), byte_view(b)):
+            return
+        self.differing += _differing(a, b)
+        diff, scale = _abs_diff(a, b)
+        if diff is None:
+            self.beyond_tolerance = True
+            self.max_abs = self.max_rel = math.nan
+            return
+        rel = torch.where(diff == 0, torch.zeros_like(diff), diff / scale)
+        rel = torch.nan_to_num(rel, nan=math.inf)
+        self.max_abs = max(self.max_abs, float(diff.max()))
+        self.max_rel = max(self.max_rel, float(rel.max()))
+        exact = atol == 0 and rtol == 0
+        if exact or bool((diff > atol + rtol * _magnitude(b).reshape(-1)).any()):
+            self.beyond_tolerance = True
+
+
+def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    if a.dtype != b.dtype:
+        return int(a.numel())
+    size = a.element_size()
+    ba = byte_view(a).view(-1, size)
+    bb = byte_view(b).view(-1, size)
+    return int((ba != bb).any(dim=1).sum())
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as float64 (complex128 for complex dtypes), or None when torch cannot convert it."""
+    try:
+        return t.to(torch.complex128 if t.is_complex() else torch.float64)
+    except (RuntimeError, TypeError):
+        return None
+
+
+def _magnitude(t: torch.Tensor) -> torch.Tensor:
+    wide = _wide(t)
+    return wide.abs() if wide is not None else torch.zeros(t.shape, dtype=torch.float64)
+
+
+def _abs_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Element-wise ``|a - b|`` (0 where equal, NaN on both sides included; inf where one side
+    is NaN) and ``max(|a|, |b|)``."""
+    x, y = _wide(a), _wide(b)
+    if x is None or y is None:
+        return None, torch.empty(0)
+    same = (x == y) | (torch.isnan(x) & torch.isnan(y))
+    diff = torch.where(same, torch.zeros((), dtype=torch.float64), (x - y).abs())
+    diff = torch.nan_to_num(diff, nan=math.inf)
+    return diff.reshape(-1), torch.maximum(x.abs(), y.abs()).reshape(-1)
+
+
+def _compare_values(ra: CheckpointReader, rb: CheckpointReader) -> tuple[list[ValueDiff], int]:
+    ea, eb = _encoded_values(ra), _encoded_values(rb)
+    ta, tb = ra.metadata.tensors, rb.metadata.tensors
+    out = []
+    compared = 0
+    for key in sorted(set(ea) | set(eb)):
+        if key in ea and key in eb:
+            compared += 1
+            if ea[key] != eb[key]:
+                out.append(ValueDiff(key, "values", _show(ra, key), _show(rb, key)))
+        elif key in ea and key not in tb:
+            out.append(ValueDiff(key, "only_a", _show(ra, key), None))
+        elif key in eb and key not in ta:
+            out.append(ValueDiff(key, "only_b", None, _show(rb, key)))
+    return out, compared
+
+
+def _encoded_values(reader: CheckpointReader) -> dict[str, Any]:
+    meta = reader.metadata
+    return {**meta.objects, **{k: list(v) for k, v in meta.per_rank.items()}}
+
+
+def _show(reader: CheckpointReader, key: str) -> str:
+    meta = reader.metadata
+    if key in meta.objects:
+        encoded = meta.objects[key]
+    elif meta.per_rank[key]:
+        encoded = meta.per_rank[key][0]
+    else:
+        return "<no rank's value>"
+    try:
+        text = short_repr(decode_value(encoded, key, allow_pickle=False))
+    except UnsafeObjectError:
+        return "<saved with pickle>"
+    return f"{text} (rank 0)" if key in meta.per_rank else text

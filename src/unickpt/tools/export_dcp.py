@@ -1,0 +1,117 @@
+"""Export a checkpoint to a ``torch.distributed.checkpoint`` (DCP) folder, in one process.
+
+DCP's own :class:`FileSystemWriter` writes the folder. The state handed to ``dcp.save`` holds
+meta tensors (shape and dtype only); the planner reads each tensor from the checkpoint when
+the writer asks for it, and the writer puts one tensor per file, so one tensor is in memory at
+a time.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from ..engine.reader import CheckpointReader
+from ..format.dtypes import dtype_from_name
+from .blocks import tensor_nbytes
+from .dcp_common import METADATA_FILE, single_process
+from .output import check_distinct, prepare_folder
+from .progress import ProgressFn
+from .reports import ConvertReport
+from .selection import nest_top_level, select_keys
+from .values import decode_values, warn_left_out
+
+log = logging.getLogger(__name__)
+
+class _CheckpointSavePlanner(DefaultSavePlanner):
+    """DCP's default planner, except that tensors come from the checkpoint when written."""
+
+    def __init__(
+        self, reader: CheckpointReader, keys: dict[int, str], progress: ProgressFn | None
+    ) -> None:
+        super().__init__()
+        self.reader = reader
+        self.keys = keys
+        self.progress = progress
+        self.total = sum(tensor_nbytes(reader, k) for k in keys.values())
+        self.done = 0
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        obj = self.lookup_object(write_item.index)
+        key = self.keys.get(id(obj)) if write_item.type != WriteItemType.BYTE_IO else None
+        if key is None:
+            return super().resolve_data(write_item)
+        tensor = self.reader.read_tensor(key)
+        self.done += tensor.numel() * tensor.element_size()
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+        return tensor
+
+
+def export_dcp(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    only: str | None = None,
+    overwrite: bool = False,
+    progress: ProgressFn | None = None,
+) -> ConvertReport:
+    """Write checkpoint ``src`` as a DCP folder that ``dcp.load`` reads without a process group.
+
+    The state has the nesting of :func:`unickpt.tools.export_torch` (dotted keys grouped by
+    their first component; ``only`` selects a subtree), so DCP's keys are the checkpoint's
+    dotted keys. Values saved with pickle are left out.
+
+    >>> export_dcp("ckpt/step-100", "dcp-out")  # doctest: +SKIP
+    >>> import torch.distributed.checkpoint as dcp  # doctest: +SKIP
+    >>> dcp.load(state, checkpoint_id="dcp-out")  # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    src_path, dst_path = Path(src), Path(dst)
+    check_distinct(src_path, dst_path)
+    with CheckpointReader(src_path) as reader:
+        selection = select_keys(reader.metadata, only)
+        values, left_out = decode_values(reader, selection)
+        warn_left_out(left_out, "DCP export")
+        flat: dict[str, Any] = {}
+        keys: dict[int, str] = {}
+        for name, key in selection.tensors.items():
+            meta = reader.metadata.tensors[key]
+            t = torch.empty(meta.shape, dtype=dtype_from_name(meta.dtype), device="meta")
+            flat[name] = t
+            keys[id(t)] = key
+        flat.update(values)
+        flat = dict(sorted(flat.items()))
+        state = flat if only else nest_top_level(flat)
+        old = [dst_path / METADATA_FILE, *dst_path.glob("*.distcp")]
+        stale = prepare_folder(dst_path, old, overwrite, "DCP checkpoint")
+        for p in stale:
+            p.unlink()
+        planner = _CheckpointSavePlanner(reader, keys, progress)
+        writer = FileSystemWriter(dst_path, single_file_per_rank=False, overwrite=True)
+        with single_process():
+            dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
+    files = sorted(
+        str(p) for p in dst_path.iterdir() if p.suffix == ".distcp" or p.name == METADATA_FILE
+    )
+    return ConvertReport(
+        str(src_path),
+        str(dst_path),
+        "dcp",
+        tuple(files),
+        len(keys),
+        len(values),
+        planner.total,
+        tuple(left_out),
+        time.perf_counter() - t0,
+    )

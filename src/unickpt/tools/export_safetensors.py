@@ -1,0 +1,170 @@
+"""Export a checkpoint to safetensors: one file, or Hugging Face shards with an index.
+
+Tensors stream out block by block (see :mod:`unickpt.tools.blocks`), so memory stays bounded
+whatever the size of the checkpoint or of its largest tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+
+from ..engine.reader import CheckpointReader
+from ..format.dtypes import dtype_from_name
+from ..layouts.boxes import Box
+from .blocks import DEFAULT_BLOCK_BYTES, iter_blocks, raw_bytes
+from .output import atomic_file, check_distinct, fsync_file, prepare_folder, remove_files
+from .progress import ProgressFn
+from .reports import ConvertReport
+from .safetensors_format import (
+    DTYPE_NAMES,
+    INDEX_FILE,
+    SINGLE_FILE,
+    Entry,
+    encode_header,
+    order_entries,
+    plan_shards,
+    shard_name,
+)
+from .selection import select_keys
+from .values import warn_left_out
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+
+def export_safetensors(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    only: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    progress: ProgressFn | None = None,
+) -> ConvertReport:
+    """Write the tensors of checkpoint ``src`` as safetensors with dotted keys.
+
+    ``dst`` ending in ``.safetensors`` is one file. Otherwise ``dst`` is a folder that gets
+    ``model.safetensors``, or, above ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors``
+    shards and ``model.safetensors.index.json``. ``only="model"`` writes the ``model``
+    subtree with its prefix removed. Python values are left out (safetensors holds tensors).
+
+    >>> export_safetensors("ckpt/step-100", "hf-out", only="model")  # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    src_path, dst_path = Path(src), Path(dst)
+    check_distinct(src_path, dst_path)
+    with CheckpointReader(src_path) as reader:
+        selection = select_keys(reader.metadata, only)
+        entries, keys, left_out = _entries(reader, selection.tensors)
+        left_out += [
+            f"{k}: not a tensor (safetensors stores tensors only)"
+            for k in selection.values.values()
+        ]
+        warn_left_out(left_out, "safetensors export")
+        writer = _Writer(reader, keys, block_bytes, progress, sum(e.nbytes for e in entries))
+        if dst_path.suffix == ".safetensors":
+            with atomic_file(dst_path, overwrite) as tmp:
+                writer.write_file(tmp, entries)
+            files = [dst_path]
+        else:
+            files = _write_folder(writer, dst_path, entries, max_shard_bytes, overwrite)
+    return ConvertReport(
+        str(src_path),
+        str(dst_path),
+        "safetensors",
+        tuple(str(f) for f in files),
+        len(entries),
+        0,
+        writer.total,
+        tuple(left_out),
+        time.perf_counter() - t0,
+    )
+
+
+def _entries(
+    reader: CheckpointReader, tensors: dict[str, str]
+) -> tuple[list[Entry], dict[str, str], list[str]]:
+    entries, keys, left_out = [], {}, []
+    for name, key in tensors.items():
+        meta = reader.metadata.tensors[key]
+        dtype = dtype_from_name(meta.dtype)
+        if dtype not in DTYPE_NAMES:
+            left_out.append(f"{key}: dtype {meta.dtype} has no safetensors name")
+            continue
+        nbytes = Box.whole(meta.shape).numel * dtype.itemsize
+        entries.append(Entry(name, dtype, tuple(meta.shape), nbytes))
+        keys[name] = key
+    return entries, keys, left_out
+
+
+def _write_folder(
+    writer: _Writer, dst: Path, entries: list[Entry], max_shard_bytes: int, overwrite: bool
+) -> list[Path]:
+    old = [dst / SINGLE_FILE, dst / INDEX_FILE, *dst.glob("model-*-of-*.safetensors")]
+    stale = prepare_folder(dst, old, overwrite, "safetensors export")
+    shards = plan_shards(entries, max_shard_bytes)
+    names = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [shard_name(i, len(shards)) for i in range(len(shards))]
+    )
+    tag = uuid.uuid4().hex[:8]
+    scratch = [dst / f".{n}.{tag}.tmp" for n in names]
+    try:
+        for path, shard in zip(scratch, shards):
+            writer.write_file(path, shard)
+            fsync_file(path)
+        for path, name in zip(scratch, names):
+            os.replace(path, dst / name)
+    finally:
+        remove_files(scratch)
+    if len(shards) > 1:
+        weight_map = {e.name: name for name, shard in zip(names, shards) for e in shard}
+        index = {
+            "metadata": {"total_size": writer.total},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        with atomic_file(dst / INDEX_FILE, overwrite=True) as tmp:
+            tmp.write_text(json.dumps(index, indent=2) + "\n")
+    remove_files(
+        p for p in stale if p.name not in names and not (len(shards) > 1 and p.name == INDEX_FILE)
+    )
+    return [dst / n for n in names] + ([dst / INDEX_FILE] if len(shards) > 1 else [])
+
+
+class _Writer:
+    """Writes safetensors files from the checkpoint, one block at a time."""
+
+    def __init__(
+        self,
+        reader: CheckpointReader,
+        keys: dict[str, str],
+        block_bytes: int,
+        progress: ProgressFn | None,
+        total: int,
+    ) -> None:
+        self.reader = reader
+        self.keys = keys
+        self.block_bytes = block_bytes
+        self.progress = progress
+        self.total = total
+        self.done = 0
+
+    def write_file(self, path: Path, entries: list[Entry]) -> None:
+        ordered = order_entries(entries)
+        with open(path, "wb") as f:
+            f.write(encode_header(ordered, {"format": "pt"}))
+            for e in ordered:
+                for _, block in iter_blocks(self.reader, self.keys[e.name], self.block_bytes):
+                    f.write(raw_bytes(block))
+                    self.done += block.numel() * block.element_size()
+                    if self.progress is not None:
+                        self.progress(self.done, self.total)
+        log.debug("wrote %d tensors into %s", len(entries), path)

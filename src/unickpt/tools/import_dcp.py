@@ -1,0 +1,170 @@
+"""Import a ``torch.distributed.checkpoint`` (DCP) folder into a unickpt checkpoint.
+
+DCP's own reader loads the tensors, a group of at most ``group_bytes`` at a time, into a
+scratch file next to the destination (:class:`unickpt.tools.spool.Spool`); the save then reads
+them memory-mapped. Non-tensor entries are read with ``torch.load(weights_only=True)`` unless
+pickle is allowed.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import ReadItem
+
+from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
+from .dcp_common import METADATA_FILE, single_process
+from .imports import save_imported, with_prefix
+from .output import check_distinct
+from .progress import ProgressFn
+from .reports import ConvertReport
+from .spool import Spool
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+DEFAULT_GROUP_BYTES = 256 * MiB
+
+
+class _ValuePlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading non-tensor entries without pickle unless allowed."""
+
+    def __init__(self, allow_pickle: bool) -> None:
+        super().__init__(allow_partial_load=True)
+        self.allow_pickle = allow_pickle
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=not self.allow_pickle)
+        except pickle.UnpicklingError as e:
+            raise UnsafeObjectError(
+                f"'{fqn}' of the DCP checkpoint is an object torch.load(weights_only=True) "
+                "refuses; if you trust the checkpoint, pass --allow-pickle (allow_pickle=True)."
+            ) from e
+        self.original_state_dict[fqn] = obj
+
+
+def import_dcp(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    prefix: str | None = None,
+    allow_pickle: bool = False,
+    overwrite: bool = False,
+    group_bytes: int = DEFAULT_GROUP_BYTES,
+    progress: ProgressFn | None = None,
+) -> ConvertReport:
+    """Save the DCP checkpoint in folder ``src`` as unickpt checkpoint ``dst``.
+
+    DCP keys are the dotted paths of the state DCP saved, as are unickpt's, so
+    ``unickpt.load(dst, state)`` fills a state of the structure ``dcp.save`` was given.
+
+    >>> import_dcp("dcp/step-100", "ckpt/step-100")  # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    src_path, dst_path = Path(src), Path(dst)
+    check_distinct(src_path, dst_path)
+    meta = read_dcp_metadata(src_path)
+    tensors = {
+        k: m for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
+    }
+    value_keys = [
+        k for k, m in meta.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)
+    ]
+    values = _load_values(src_path, value_keys, allow_pickle)
+    dst_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{dst_path.name}.", dir=dst_path.parent) as scratch:
+        spool = Spool(Path(scratch) / "tensors.bin")
+        _spool_tensors(src_path, tensors, spool, group_bytes, progress)
+        state = with_prefix({**spool.tensors(), **values}, prefix, src_path)
+        return save_imported(
+            state,
+            src_path,
+            dst_path,
+            "dcp",
+            allow_pickle=allow_pickle,
+            overwrite=overwrite,
+            started_s=t0,
+        )
+
+
+def read_dcp_metadata(src: Path) -> Metadata:
+    if not (src / METADATA_FILE).is_file():
+        raise CheckpointNotFoundError(
+            f"{src} is not a DCP checkpoint: it has no .metadata file (dcp.save writes one)."
+        )
+    try:
+        return FileSystemReader(src).read_metadata()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"{src}/.metadata could not be read ({e}); it is damaged.") from e
+
+
+def _load_values(src: Path, keys: list[str], allow_pickle: bool) -> dict[str, Any]:
+    if not keys:
+        return {}
+    state: dict[str, Any] = dict.fromkeys(keys)
+    with single_process():
+        reader = FileSystemReader(src)
+        dcp.load(state, storage_reader=reader, planner=_ValuePlanner(allow_pickle), no_dist=True)
+    return state
+
+
+def _groups(
+    tensors: dict[str, TensorStorageMetadata], group_bytes: int
+) -> Iterator[list[tuple[str, TensorStorageMetadata]]]:
+    group: list[tuple[str, TensorStorageMetadata]] = []
+    size = 0
+    for key, m in tensors.items():
+        nbytes = _nbytes(m)
+        if group and size + nbytes > group_bytes:
+            yield group
+            group, size = [], 0
+        group.append((key, m))
+        size += nbytes
+    if group:
+        yield group
+
+
+def _nbytes(m: TensorStorageMetadata) -> int:
+    return m.size.numel() * m.properties.dtype.itemsize
+
+
+def _spool_tensors(
+    src: Path,
+    tensors: dict[str, TensorStorageMetadata],
+    spool: Spool,
+    group_bytes: int,
+    progress: ProgressFn | None,
+) -> None:
+    total = sum(_nbytes(m) for m in tensors.values())
+    done = 0
+    for group in _groups(tensors, group_bytes):
+        part = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in group}
+        planner = DefaultLoadPlanner(allow_partial_load=True)
+        with single_process():
+            dcp.load(part, storage_reader=FileSystemReader(src), planner=planner, no_dist=True)
+        for key, tensor in part.items():
+            spool.add(key, tensor)
+            done += tensor.numel() * tensor.element_size()
+        del part
+        if progress is not None:
+            progress(done, total)
+        log.debug("read %d tensors from %s", len(group), src)

@@ -1,0 +1,161 @@
+"""What a checkpoint holds: its tensors, values and provenance, from the metadata alone."""
+
+from __future__ import annotations
+
+import os
+import reprlib
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from ..engine.commit import read_checkpoint
+from ..errors import UnsafeObjectError
+from ..format.dtypes import dtype_from_name
+from ..format.metadata import Metadata
+from ..format.values import decode_value
+from ..layouts.boxes import Box
+from ..storage.base import Storage
+from ..storage.local import LocalStorage
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = 40
+_REPR.maxother = 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = 6
+SUMMARY_CHARS = 60
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    layout: str
+    shards: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """A stored Python value; ``per_rank`` ones show rank 0's value."""
+
+    key: str
+    type: str
+    summary: str
+    per_rank: bool = False
+    pickled: bool = False
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    """The description ``unickpt inspect`` prints."""
+
+    path: str
+    format_version: int
+    save_id: str
+    world_size: int
+    created_unix_s: float
+    producer: dict[str, str]
+    checksum_algorithm: str
+    segment_bytes: int
+    files: tuple[FileInfo, ...]
+    tensors: tuple[TensorInfo, ...]
+    objects: tuple[ObjectInfo, ...]
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    @property
+    def created_iso(self) -> str:
+        if not self.created_unix_s:
+            return "unknown"
+        moment = datetime.fromtimestamp(self.created_unix_s, tz=timezone.utc)
+        return moment.isoformat(timespec="seconds")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data (``unickpt inspect --json``)."""
+        doc = asdict(self)
+        doc["created"] = self.created_iso
+        doc["totals"] = {
+            "tensors": len(self.tensors),
+            "tensor_bytes": self.tensor_bytes,
+            "objects": len(self.objects),
+            "files": len(self.files),
+            "data_bytes": self.data_bytes,
+        }
+        return doc
+
+
+def inspect_checkpoint(path: str | os.PathLike[str] | Storage) -> CheckpointSummary:
+    """Describe the committed checkpoint at ``path`` (reads the metadata, not the data).
+
+    >>> s = inspect_checkpoint("ckpt/step-100")  # doctest: +SKIP
+    >>> s.world_size, len(s.tensors), s.tensor_bytes  # doctest: +SKIP
+    """
+    storage = path if isinstance(path, Storage) else LocalStorage(path)
+    record, meta = read_checkpoint(storage)
+    return CheckpointSummary(
+        path=storage.location,
+        format_version=meta.version,
+        save_id=record.save_id,
+        world_size=meta.world_size,
+        created_unix_s=meta.created_unix_s,
+        producer=dict(meta.producer),
+        checksum_algorithm=meta.checksum_algorithm,
+        segment_bytes=meta.segment_bytes,
+        files=_files(meta),
+        tensors=tuple(_tensor(k, meta) for k in sorted(meta.tensors)),
+        objects=_objects(meta),
+    )
+
+
+def _files(meta: Metadata) -> tuple[FileInfo, ...]:
+    ends = [0] * len(meta.files)
+    for t in meta.tensors.values():
+        for c in t.chunks:
+            ends[c.file] = max(ends[c.file], c.byte_offset + c.nbytes)
+    return tuple(FileInfo(name, end) for name, end in zip(meta.files, ends))
+
+
+def _tensor(key: str, meta: Metadata) -> TensorInfo:
+    t = meta.tensors[key]
+    nbytes = Box.whole(t.shape).numel * dtype_from_name(t.dtype).itemsize
+    return TensorInfo(key, t.dtype, tuple(t.shape), t.layout, len(t.chunks), nbytes)
+
+
+def _objects(meta: Metadata) -> tuple[ObjectInfo, ...]:
+    out = [_object(k, meta.objects[k], meta, False) for k in meta.objects]
+    out += [_object(k, v[0] if v else None, meta, True) for k, v in meta.per_rank.items()]
+    return tuple(sorted(out, key=lambda o: o.key))
+
+
+def _object(key: str, encoded: Any, meta: Metadata, per_rank: bool) -> ObjectInfo:
+    try:
+        value = decode_value(encoded, key, allow_pickle=False)
+    except UnsafeObjectError:
+        return ObjectInfo(key, "pickle", "<saved with pickle>", per_rank, True)
+    return ObjectInfo(
+        key, type(value).__name__, short_repr(value), per_rank, key in meta.pickled_keys
+    )
+
+
+def short_repr(value: Any, width: int = SUMMARY_CHARS) -> str:
+    """A one-line description of a value, at most ``width`` characters."""
+    if isinstance(value, torch.Tensor):
+        text = f"tensor {str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+    else:
+        text = _REPR.repr(value)
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."

@@ -1,0 +1,89 @@
+"""The safetensors layout, written directly so a file streams out tensor by tensor.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header naming each
+tensor's dtype, shape and ``data_offsets`` (relative to the end of the header), then the raw
+little-endian bytes back to back. The header is padded with spaces to a multiple of 8 bytes and
+tensors are ordered by decreasing element size, so every tensor is aligned to its element.
+Sharded output follows Hugging Face: ``model-00001-of-00003.safetensors`` files and a
+``model.safetensors.index.json`` with ``metadata.total_size`` and a ``weight_map``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+
+
+def shard_name(index: int, count: int) -> str:
+    """The Hugging Face name of shard ``index`` (0-based) of ``count``."""
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a safetensors file: its name, dtype, shape and size in bytes."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def order_entries(entries: list[Entry]) -> list[Entry]:
+    """The order tensors are written in: larger elements first (keeps each aligned), then name."""
+    return sorted(entries, key=lambda e: (-e.dtype.itemsize, e.name))
+
+
+def encode_header(ordered: list[Entry], metadata: dict[str, str]) -> bytes:
+    """Length prefix plus padded JSON header for ``ordered`` entries written in that order."""
+    doc: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for e in ordered:
+        doc[e.name] = {
+            "dtype": DTYPE_NAMES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
+        offset += e.nbytes
+    raw = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def plan_shards(entries: list[Entry], max_shard_bytes: int) -> list[list[Entry]]:
+    """Fill shards in name order, starting a new one when the next tensor would pass the limit
+    (a tensor larger than the limit gets a shard of its own), as Hugging Face does."""
+    shards: list[list[Entry]] = [[]]
+    size = 0
+    for e in sorted(entries, key=lambda e: e.name):
+        if shards[-1] and size + e.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e.nbytes
+    return shards

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import unickpt
+
+
+def _state(value: float) -> dict[str, object]:
+    return {"w": torch.full((64,), value), "train": {"step": int(value)}}
+
+
+def test_steps_retention_and_latest(tmp_path: Path) -> None:
+    with unickpt.Checkpointer(tmp_path, keep_last=2) as ckpt:
+        for step in range(5):
+            ckpt.save(step, _state(step))
+        ckpt.wait()
+        assert ckpt.steps() == [3, 4]
+        dest = _state(-1)
+        assert ckpt.load_latest(dest) == 4
+        assert torch.equal(dest["w"], torch.full((64,), 4.0))  # type: ignore[arg-type]
+        assert ckpt.path(4).endswith("step-000000004")
+
+
+def test_falls_back_over_damaged_and_ignores_uncommitted(tmp_path: Path) -> None:
+    ckpt = unickpt.Checkpointer(tmp_path, async_save=False)
+    for step in (1, 2, 3):
+        ckpt.save(step, _state(step))
+    (Path(ckpt.path(3)) / "COMMIT").unlink()
+    data = next(Path(ckpt.path(2)).glob("data-*.bin"))
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0x5A
+    data.write_bytes(bytes(raw))
+    assert ckpt.steps() == [1, 2]
+    dest = _state(-1)
+    with pytest.warns(UserWarning, match="checksum mismatch"):
+        assert ckpt.load_latest(dest) == 1
+    assert torch.equal(dest["w"], torch.full((64,), 1.0))  # type: ignore[arg-type]
+    ckpt.save(4, _state(4))
+    assert not os.path.exists(ckpt.path(3)), "an interrupted save's folder is debris"
+    ckpt.close()
+
+
+def test_empty_root_and_second_job(tmp_path: Path) -> None:
+    ckpt = unickpt.Checkpointer(tmp_path / "new")
+    assert ckpt.load_latest(_state(0)) is None and ckpt.steps() == []
+    with pytest.raises(unickpt.CheckpointLockedError, match="two jobs"):
+        unickpt.Checkpointer(tmp_path / "new")
+    ckpt.close()
+    unickpt.Checkpointer(tmp_path / "new").close()
+    with pytest.raises(unickpt.CheckpointError, match="keep_last is 0"):
+        unickpt.Checkpointer(tmp_path / "x", keep_last=0)

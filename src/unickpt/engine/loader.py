@@ -57,7 +57,7 @@ def load(
                 "loading them could run code from the checkpoint. Pass allow_pickle=True only "
                 "if you trust where it comes from."
             )
-        flat = flatten_state(state)
+        flat = flatten_state(state, for_load=True)
         skipped = _check_keys(meta, flat, strict, comm)
         reads = _plan_all_reads(meta, flat)
         _check_files(storage, meta, reads)

@@ -23,8 +23,8 @@ from .._version import __version__
 from ..config import Config
 from ..dist import Comm, RankFailure, failure_of, raise_failures, run_step
 from ..errors import CheckpointExistsError
-from ..format.dtypes import dtype_name
 from ..format.codec import encode_index
+from ..format.dtypes import dtype_name
 from ..format.metadata import ChunkMeta, FileRef, Metadata, TensorMeta
 from ..format.values import encode_value, needs_pickle
 from ..layouts.boxes import Box

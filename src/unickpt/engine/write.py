@@ -122,6 +122,7 @@ def write_file(
                     progress(0)
     except BaseException:
         handle.close(durable=False)
+        storage.remove(name)
         raise
     handle.close(durable=True)
     return WriteResult(_ordered(digests, items, config.segment_bytes), total)

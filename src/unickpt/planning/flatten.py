@@ -54,7 +54,7 @@ class Flattened:
         return set(self.tensors) | set(self.values) | set(self.per_rank)
 
 
-def flatten_state(state: dict[str, Any]) -> Flattened:
+def flatten_state(state: dict[str, Any], for_load: bool = False) -> Flattened:
     """Walk ``state`` into leaves. Raises :class:`CheckpointError` on clashing keys."""
     if not isinstance(state, dict):
         raise CheckpointError(
@@ -62,14 +62,15 @@ def flatten_state(state: dict[str, Any]) -> Flattened:
             "{'model': model, 'optimizer': optimizer}."
         )
     out = Flattened()
-    _Walker(out, collect_modules(state)).walk_dict(state, "")
+    _Walker(out, collect_modules(state), for_load).walk_dict(state, "")
     return out
 
 
 class _Walker:
-    def __init__(self, out: Flattened, modules: list[Any]) -> None:
+    def __init__(self, out: Flattened, modules: list[Any], for_load: bool) -> None:
         self.out = out
         self.modules = modules
+        self.for_load = for_load
         self.seen: set[str] = set()
 
     def claim(self, key: str) -> str:
@@ -99,7 +100,7 @@ class _Walker:
             self.out.tensors[self.claim(key)] = tensor_leaf(key, value)
         elif is_stateful(value):
             adapter = StatefulAdapter(value, self.modules)
-            template = adapter.state_dict()
+            template = adapter.state_dict(self.for_load)
             self.out.stateful.append((adapter, template))
             self.walk_dict(template, key + ".")
         else:

@@ -1,4 +1,11 @@
-"""Stateful objects: modules, optimizers (keyed by parameter names), anything with state_dict."""
+"""Stateful objects: modules, optimizers (keyed by parameter names), anything with state_dict.
+
+Modules give their own ``state_dict()`` (DDP and ``torch.compile`` wrappers unwrapped, so keys
+never carry ``module.`` or ``_orig_mod.``); optimizers give theirs with parameter ids replaced
+by parameter names, so optimizer state reshards with the model. Both are references to the
+live tensors, so a load fills them in place. FSDP1 wrappers go through
+``torch.distributed.checkpoint.state_dict``, which knows their flat parameters.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +18,12 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 try:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    from torch.nn.parallel import DistributedDataParallel as DDP
 except ImportError:  # pragma: no cover - torch built without distributed
-    get_model_state_dict = None  # type: ignore[assignment]
+    dcp_state_dict = None  # type: ignore[assignment]
+    FSDP1 = DDP = ()  # type: ignore[assignment,misc]
 
 
 def is_stateful(value: Any) -> bool:
@@ -43,6 +47,21 @@ def collect_modules(state: Any) -> list[nn.Module]:
     return found
 
 
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module inside DDP and ``torch.compile`` wrappers."""
+    while True:
+        if isinstance(module, DDP):
+            module = module.module
+        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def _uses_fsdp1(module: nn.Module) -> bool:
+    return bool(FSDP1) and any(isinstance(m, FSDP1) for m in module.modules())
+
+
 def owner_module(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> nn.Module | None:
     """The module whose parameters the optimizer updates, so its state can be keyed by name."""
     params = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -58,13 +77,16 @@ class StatefulAdapter:
     def __init__(self, obj: Any, modules: list[nn.Module]) -> None:
         self.obj = obj
         self.model: nn.Module | None = None
-        if isinstance(obj, torch.optim.Optimizer) and get_model_state_dict is not None:
+        if isinstance(obj, torch.optim.Optimizer):
             self.model = owner_module(obj, modules)
             if self.model is None:
                 log.warning(
                     "no module in the state owns the optimizer's parameters; its state is keyed "
                     "by position and will not reshard. Put the model in the same state dict."
                 )
+        self.fsdp1 = any(_uses_fsdp1(m) for m in ([obj] if isinstance(obj, nn.Module) else []))
+        if self.model is not None and _uses_fsdp1(self.model):
+            self.fsdp1 = True
 
     @property
     def order(self) -> int:
@@ -73,17 +95,85 @@ class StatefulAdapter:
             return 0
         return 1 if isinstance(self.obj, torch.optim.Optimizer) else 2
 
-    def state_dict(self) -> dict[str, Any]:
-        if isinstance(self.obj, nn.Module) and get_model_state_dict is not None:
-            return get_model_state_dict(self.obj)
+    def state_dict(self, for_load: bool = False) -> dict[str, Any]:
+        if self.fsdp1 and dcp_state_dict is not None:
+            if isinstance(self.obj, nn.Module):
+                return dcp_state_dict.get_model_state_dict(self.obj)
+            assert self.model is not None
+            return dcp_state_dict.get_optimizer_state_dict(self.model, self.obj)
+        if isinstance(self.obj, nn.Module):
+            return unwrap(self.obj).state_dict()
         if self.model is not None:
-            return get_optimizer_state_dict(self.model, self.obj)
+            if for_load and not self.obj.state and dcp_state_dict is not None:
+                dcp_state_dict._init_optim_state(self.obj)
+            return _named_optimizer_state(self.obj, self.model)
         return self.obj.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if isinstance(self.obj, nn.Module) and get_model_state_dict is not None:
-            set_model_state_dict(self.obj, state_dict, options=StateDictOptions(strict=True))
+        if self.fsdp1 and dcp_state_dict is not None:
+            if isinstance(self.obj, nn.Module):
+                dcp_state_dict.set_model_state_dict(self.obj, state_dict)
+            else:
+                assert self.model is not None
+                dcp_state_dict.set_optimizer_state_dict(self.model, self.obj, state_dict)
+        elif isinstance(self.obj, nn.Module):
+            module = unwrap(self.obj)
+            if not _filled_in_place(module, state_dict):
+                module.load_state_dict(state_dict)
         elif self.model is not None:
-            set_optimizer_state_dict(self.model, self.obj, state_dict)
+            self.obj.load_state_dict(_indexed_optimizer_state(self.obj, self.model, state_dict))
         else:
             self.obj.load_state_dict(state_dict)
+
+
+def _filled_in_place(module: nn.Module, loaded: dict[str, Any]) -> bool:
+    """Whether every loaded entry already is the module's own tensor (nothing to copy)."""
+    current = module.state_dict()
+    if current.keys() != loaded.keys():
+        return False
+    for key, value in loaded.items():
+        mine = current[key]
+        if not (isinstance(value, torch.Tensor) and isinstance(mine, torch.Tensor)):
+            return False
+        if value is not mine and _storage_ptr(value) != _storage_ptr(mine):
+            return False
+    return True
+
+
+def _storage_ptr(t: torch.Tensor) -> tuple[int, int]:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage().data_ptr(), local.storage_offset()
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in unwrap(model).named_parameters()}
+
+
+def _optimizer_order(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Parameters in the order ``Optimizer.state_dict`` numbers them."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _named_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+    names = _param_names(model)
+    order = [names[id(p)] for p in _optimizer_order(optimizer)]
+    sd = optimizer.state_dict()
+    return {
+        "state": {order[i]: v for i, v in sd["state"].items()},
+        "param_groups": [
+            {**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]
+        ],
+    }
+
+
+def _indexed_optimizer_state(
+    optimizer: torch.optim.Optimizer, model: nn.Module, named: dict[str, Any]
+) -> dict[str, Any]:
+    names = _param_names(model)
+    index = {names[id(p)]: i for i, p in enumerate(_optimizer_order(optimizer))}
+    return {
+        "state": {index[n]: v for n, v in named["state"].items()},
+        "param_groups": [
+            {**g, "params": [index[n] for n in g["params"]]} for g in named["param_groups"]
+        ],
+    }

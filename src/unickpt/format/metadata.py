@@ -2,8 +2,8 @@
 
 Version 1. See docs/format.md for the byte-level description. On disk the global metadata holds
 tensors, values and files; each writing rank's chunks live in that rank's index file, so the
-coordinator's work per save grows with tensors plus ranks, never with their product. Everything here is plain data:
-frozen dataclasses, encoded as JSON by :mod:`unickpt.format.codec`.
+coordinator's work per save grows with tensors plus ranks, never with their product. Everything
+here is plain data: frozen dataclasses, encoded as JSON by :mod:`unickpt.format.codec`.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ process group is needed.
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures.thread  # noqa: F401 - registers its exit hook first
 import logging
 import os
 import threading
@@ -30,6 +32,21 @@ log = logging.getLogger(__name__)
 
 _PENDING: list[SaveFuture] = []
 _PENDING_LOCK = threading.Lock()
+
+
+def _finish_at_exit() -> None:
+    """An interpreter that exits first still completes (or fails) its pending saves."""
+    with _PENDING_LOCK:
+        pending = [f for f in _PENDING if not f.done()]
+    if pending:
+        log.info("waiting for %d asynchronous save(s) before exiting", len(pending))
+    wait_pending()
+
+
+# Run before concurrent.futures stops accepting work at interpreter shutdown (its hook was
+# registered at import, and these hooks run last-registered first).
+_register = getattr(threading, "_register_atexit", atexit.register)
+_register(_finish_at_exit)
 
 
 def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
@@ -129,7 +146,8 @@ def async_save(
 
     with _PENDING_LOCK:
         _PENDING.append(fut)
-    threading.Thread(target=work, name="unickpt-async-save", daemon=True).start()
+    # Not a daemon: an interpreter that exits joins it, so a save is never cut off midway.
+    threading.Thread(target=work, name="unickpt-async-save", daemon=False).start()
     fut.blocking_s = time.perf_counter() - fut.started_s
     return fut
 

@@ -58,7 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=_systems_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--params", default="100M", help="model size, e.g. 10M, 100M, 1B (default 100M)")
+    parser.add_argument(
+        "--params", default="100M", help="model size, e.g. 10M, 100M, 1B (default 100M)"
+    )
     parser.add_argument("--world", type=int, default=2, help="number of ranks (default 2)")
     parser.add_argument(
         "--systems", default="all", help="comma-separated names, or all / peers (default all)"
@@ -92,6 +94,14 @@ def _peers_python(arg: str | None) -> str | None:
     return str(_DEFAULT_PEERS_PYTHON) if _DEFAULT_PEERS_PYTHON.exists() else None
 
 
+def _command(args: argparse.Namespace) -> str:
+    """The command that reproduces this run, with every option that changes the figures."""
+    parts = ["unickpt", "bench", "--params", args.params, "--world", str(args.world)]
+    parts += ["--systems", args.systems, "--seq-len", str(args.seq_len)]
+    parts += ["--no-warmup"] if args.no_warmup else []
+    return shlex.join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the markdown table and where the reports went."""
     try:
@@ -105,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             seq_len=args.seq_len,
             warmup=not args.no_warmup,
             system_timeout_s=args.system_timeout,
-            command="unickpt " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "unickpt bench",
+            command=_command(args),
         )
     except ValueError as exc:
         print(f"unickpt bench: {exc}", file=sys.stderr)

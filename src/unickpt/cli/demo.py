@@ -98,12 +98,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seed of the text and the weights (default: %(default)s)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what the demo does")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log what the demo does",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs the demo; returns 0 when every resumed run matched the reference."""
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING)
     try:
         config = DemoConfig(
             out_dir=args.out,
@@ -174,6 +180,7 @@ class ProgressView:
     def __init__(self, enabled: bool = True) -> None:
         self._enabled = enabled
         self._bar: tqdm | None = None
+        self._starting: PhaseStarted | None = None
         self._lock = threading.Lock()
 
     def __call__(self, event: Event) -> None:
@@ -187,30 +194,37 @@ class ProgressView:
             self._bar.close()
             self._bar = None
 
+    def _open(self, phase: PhaseStarted, first_step: int) -> None:
+        self.close()
+        self._bar = tqdm(
+            total=phase.end_step,
+            initial=first_step,
+            desc=f"{phase.label:<22}",
+            file=sys.stderr,
+            unit="step",
+            dynamic_ncols=True,
+        )
+
     def _show(self, event: Event) -> None:
         if isinstance(event, PhaseStarted):
-            self.close()
-            self._bar = tqdm(
-                total=event.end_step,
-                desc=f"{event.label:<22}",
-                file=sys.stderr,
-                unit="step",
-                dynamic_ncols=True,
-                leave=True,
-            )
-        elif self._bar is None:
-            return
-        elif isinstance(event, Loaded):
-            self._bar.update((event.step or 0) - self._bar.n)
-            self._bar.set_postfix_str(f"resumed from step {event.step}")
-        elif isinstance(event, StepDone):
+            self._starting = event
+            if not event.resumes:
+                self._open(event, 0)
+        elif isinstance(event, Loaded) and self._starting is not None:
+            self._open(self._starting, event.step or 0)
+            self._bar_note(f"resumed from step {event.step}")
+        elif isinstance(event, StepDone) and self._bar is not None:
             self._bar.update(event.step - self._bar.n)
-            self._bar.set_postfix_str(f"loss {event.loss:.4f}")
+            self._bar_note(f"loss {event.loss:.4f}")
         elif isinstance(event, WorkerKilled):
-            self._bar.set_postfix_str(f"rank {event.rank} SIGKILLed at step {event.step}")
+            self._bar_note(f"rank {event.rank} SIGKILLed during the save of step {event.step}")
             self.close()
         elif isinstance(event, PhaseFinished):
             self.close()
+
+    def _bar_note(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str(text)
 
 
 def _run_under_torchrun(config: DemoConfig, progress: bool) -> int:

@@ -10,14 +10,14 @@ True
 
 from .convert import FORMATS, ConvertOptions, export_checkpoint, import_checkpoint
 from .diff import DiffReport, TensorDiff, ValueDiff, diff_checkpoints
-from .export_dcp import export_dcp
-from .export_safetensors import export_safetensors
-from .export_torch import export_torch
-from .import_dcp import import_dcp
-from .import_safetensors import import_safetensors
-from .import_torch import import_torch
-from .inspect import CheckpointSummary, ObjectInfo, TensorInfo, inspect_checkpoint
+from .from_dcp import import_dcp
+from .from_safetensors import import_safetensors
+from .from_torch import import_torch
+from .inspection import CheckpointSummary, ObjectInfo, TensorInfo, inspect_checkpoint
 from .reports import ConvertReport
+from .to_dcp import export_dcp
+from .to_safetensors import export_safetensors
+from .to_torch import export_torch
 from .units import format_bytes, parse_size
 from .verify import Damage, VerifyReport, verify_checkpoint
 

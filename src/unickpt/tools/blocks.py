@@ -6,7 +6,7 @@ exactly as a contiguous copy would; memory stays at one block however large the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -27,14 +27,27 @@ def block_boxes(shape: Sequence[int], element_bytes: int, block_bytes: int) -> l
     return split_box(whole, max(1, block_bytes // max(1, element_bytes)))
 
 
-def iter_blocks(
-    reader: CheckpointReader, key: str, block_bytes: int = DEFAULT_BLOCK_BYTES
-) -> Iterator[tuple[Box, torch.Tensor]]:
-    """Each block of tensor ``key`` with its box, read (and checksum-verified) one at a time."""
+def stream_tensor(
+    reader: CheckpointReader,
+    key: str,
+    write: Callable[[memoryview], object],
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    advance: Callable[[int], None] | None = None,
+) -> int:
+    """Pass the bytes of tensor ``key`` to ``write`` block by block (row-major, each read and
+    checksum-verified), holding one block at a time; ``advance`` gets each block's size."""
     meta = reader.metadata.tensors[key]
     size = itemsize(dtype_from_name(meta.dtype))
+    done = 0
     for box in block_boxes(meta.shape, size, block_bytes):
-        yield box, reader.read_tensor(key, box=box)
+        block = reader.read_tensor(key, box=box)
+        write(raw_bytes(block))
+        nbytes = block.numel() * block.element_size()
+        del block  # before the next block is read
+        done += nbytes
+        if advance is not None:
+            advance(nbytes)
+    return done
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:

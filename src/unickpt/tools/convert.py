@@ -6,14 +6,14 @@ import os
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
-from .export_dcp import export_dcp
-from .export_safetensors import DEFAULT_MAX_SHARD_BYTES, export_safetensors
-from .export_torch import export_torch
-from .import_dcp import import_dcp
-from .import_safetensors import import_safetensors
-from .import_torch import import_torch
+from .from_dcp import import_dcp
+from .from_safetensors import import_safetensors
+from .from_torch import import_torch
 from .progress import ProgressFn
 from .reports import ConvertReport
+from .to_dcp import export_dcp
+from .to_safetensors import DEFAULT_MAX_SHARD_BYTES, export_safetensors
+from .to_torch import export_torch
 
 FORMATS = ("safetensors", "torch", "dcp")
 

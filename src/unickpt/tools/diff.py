@@ -21,7 +21,7 @@ from ..errors import UnsafeObjectError
 from ..format.dtypes import byte_view, dtype_from_name
 from ..format.values import decode_value
 from .blocks import block_boxes
-from .inspect import short_repr
+from .inspection import short_repr
 from .progress import ProgressFn
 
 MiB = 1 << 20
@@ -170,6 +170,7 @@ class _TensorComparer:
             xb = self.rb.read_tensor(key, box=box)
             stats.add(xa, xb, self.atol, self.rtol)
             self.done += xa.numel() * xa.element_size()
+            del xa, xb  # before the next blocks are read
             if self.progress is not None:
                 self.progress(self.done, self.total)
         if ma.dtype == mb.dtype and not stats.beyond_tolerance:

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..api import save
 from ..engine.reader import CheckpointReader
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsafeObjectError
 from .reports import ConvertReport
 
 
@@ -36,7 +36,12 @@ def save_imported(
     started_s: float,
 ) -> ConvertReport:
     """Save ``state`` as a unickpt checkpoint at ``dst`` and describe the result."""
-    save(dst, state, allow_pickle=allow_pickle, overwrite=overwrite)
+    try:
+        save(dst, state, allow_pickle=allow_pickle, overwrite=overwrite)
+    except UnsafeObjectError as e:
+        raise UnsafeObjectError(
+            f"{src}: {e} From the command line: --allow-pickle, if you trust the source."
+        ) from e
     with CheckpointReader(dst) as reader:
         meta = reader.metadata
         files = tuple(str(Path(dst) / f) for f in meta.files)

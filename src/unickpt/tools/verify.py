@@ -7,10 +7,10 @@ size, then every checksum segment of every chunk, read in parallel pieces of bou
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -18,10 +18,12 @@ from ..config import get_config
 from ..engine.checksum import ALGORITHM, digest
 from ..engine.commit import read_checkpoint, read_commit
 from ..errors import CheckpointError, CheckpointNotFoundError, CheckpointVersionError
+from ..format.codec import decode_metadata
 from ..format.dtypes import dtype_from_name
 from ..format.metadata import COMMIT_FILE, ChunkMeta, Metadata
 from ..storage.base import Storage
 from ..storage.local import LocalStorage
+from .datafiles import expected_file_sizes
 from .progress import ProgressFn
 
 MiB = 1 << 20
@@ -134,11 +136,29 @@ def _read_metadata(storage: Storage) -> tuple[Metadata | None, str, tuple[Damage
 
 
 def _damaged_file(storage: Storage) -> str:
+    """Which of the commit marker, the metadata and the index files fails its check."""
     try:
         record = read_commit(storage)
     except CheckpointError:
         return COMMIT_FILE
-    return record.metadata_file if record is not None else COMMIT_FILE
+    if record is None:
+        return COMMIT_FILE
+    raw = storage.read_bytes(record.metadata_file)
+    if not _matches(raw, record.metadata_nbytes, record.metadata_checksum):
+        return record.metadata_file
+    assert raw is not None
+    try:
+        refs = decode_metadata(raw, record.metadata_file).file_refs
+    except CheckpointError:
+        return record.metadata_file
+    for ref in refs:
+        if not _matches(storage.read_bytes(ref.index), ref.index_nbytes, ref.index_checksum):
+            return ref.index
+    return record.metadata_file
+
+
+def _matches(raw: bytes | None, nbytes: int, checksum: str) -> bool:
+    return raw is not None and len(raw) == nbytes and digest(memoryview(raw)) == checksum
 
 
 def _at_chunk(meta: Metadata, key: str, c: ChunkMeta, message: str) -> Damage:
@@ -182,10 +202,7 @@ _DAMAGED_META = "the metadata is damaged. Load an earlier checkpoint."
 
 def _check_files(storage: Storage, meta: Metadata) -> tuple[dict[str, int], tuple[Damage, ...]]:
     """The size of each data file that exists; damage for missing or wrongly sized ones."""
-    ends = [0] * len(meta.files)
-    for t in meta.tensors.values():
-        for c in t.chunks:
-            ends[c.file] = max(ends[c.file], c.byte_offset + c.nbytes)
+    ends = expected_file_sizes(meta)
     sizes: dict[str, int] = {}
     found = []
     for name, end in zip(meta.files, ends):
@@ -249,7 +266,7 @@ def _hash_pieces(
     total = sum(_piece_bytes(p, segment) for p in pieces)
     done = 0
     bad: list[_Bad] = []
-    run: Callable[[_Piece], tuple[int, list[_Bad]]] = lambda p: _hash_piece(storage, p, segment)  # noqa: E731
+    run = functools.partial(_hash_piece, storage, segment=segment)
     with ThreadPoolExecutor(threads, thread_name_prefix="unickpt-verify") as pool:
         for nbytes, found in pool.map(run, pieces):
             done += nbytes

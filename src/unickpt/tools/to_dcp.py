@@ -2,8 +2,8 @@
 
 DCP's own :class:`FileSystemWriter` writes the folder. The state handed to ``dcp.save`` holds
 meta tensors (shape and dtype only); the planner reads each tensor from the checkpoint when
-the writer asks for it, and the writer puts one tensor per file, so one tensor is in memory at
-a time.
+the writer asks for it, and the writer puts one tensor per file, so memory holds the tensor
+being written and, until the next is read, the one before it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import io
 import logging
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,13 +27,14 @@ from ..engine.reader import CheckpointReader
 from ..format.dtypes import dtype_from_name
 from .blocks import tensor_nbytes
 from .dcp_common import METADATA_FILE, single_process
-from .output import check_distinct, prepare_folder
+from .output import check_distinct, prepare_folder, remove_files
 from .progress import ProgressFn
 from .reports import ConvertReport
 from .selection import nest_top_level, select_keys
 from .values import decode_values, warn_left_out
 
 log = logging.getLogger(__name__)
+
 
 class _CheckpointSavePlanner(DefaultSavePlanner):
     """DCP's default planner, except that tensors come from the checkpoint when written."""
@@ -93,25 +96,37 @@ def export_dcp(
         flat.update(values)
         flat = dict(sorted(flat.items()))
         state = flat if only else nest_top_level(flat)
-        old = [dst_path / METADATA_FILE, *dst_path.glob("*.distcp")]
-        stale = prepare_folder(dst_path, old, overwrite, "DCP checkpoint")
-        for p in stale:
-            p.unlink()
         planner = _CheckpointSavePlanner(reader, keys, progress)
-        writer = FileSystemWriter(dst_path, single_file_per_rank=False, overwrite=True)
-        with single_process():
-            dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
-    files = sorted(
-        str(p) for p in dst_path.iterdir() if p.suffix == ".distcp" or p.name == METADATA_FILE
-    )
+        files = _save_into(dst_path, state, planner, overwrite)
     return ConvertReport(
         str(src_path),
         str(dst_path),
         "dcp",
-        tuple(files),
+        tuple(str(f) for f in files),
         len(keys),
         len(values),
         planner.total,
         tuple(left_out),
         time.perf_counter() - t0,
     )
+
+
+def _save_into(
+    dst: Path, state: dict[str, Any], planner: _CheckpointSavePlanner, overwrite: bool
+) -> list[Path]:
+    """``dcp.save`` into a scratch folder next to ``dst``, then move the files into ``dst``
+    (``.metadata`` last), replacing an earlier DCP checkpoint there only when ``overwrite``."""
+    old = [dst / METADATA_FILE, *dst.glob("*.distcp")]
+    stale = prepare_folder(dst, old, overwrite, "DCP checkpoint")
+    scratch = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
+    try:
+        writer = FileSystemWriter(scratch, single_file_per_rank=False, overwrite=True)
+        with single_process():
+            dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
+        remove_files(stale)
+        written = sorted(scratch.iterdir(), key=lambda p: (p.name == METADATA_FILE, p.name))
+        for p in written:
+            os.replace(p, dst / p.name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return [dst / p.name for p in written]

@@ -18,6 +18,7 @@ from ..format.values import decode_value
 from ..layouts.boxes import Box
 from ..storage.base import Storage
 from ..storage.local import LocalStorage
+from .datafiles import expected_file_sizes
 
 _REPR = reprlib.Repr()
 _REPR.maxstring = 40
@@ -122,11 +123,7 @@ def inspect_checkpoint(path: str | os.PathLike[str] | Storage) -> CheckpointSumm
 
 
 def _files(meta: Metadata) -> tuple[FileInfo, ...]:
-    ends = [0] * len(meta.files)
-    for t in meta.tensors.values():
-        for c in t.chunks:
-            ends[c.file] = max(ends[c.file], c.byte_offset + c.nbytes)
-    return tuple(FileInfo(name, end) for name, end in zip(meta.files, ends))
+    return tuple(FileInfo(n, size) for n, size in zip(meta.files, expected_file_sizes(meta)))
 
 
 def _tensor(key: str, meta: Metadata) -> TensorInfo:

@@ -13,7 +13,7 @@ import logging
 import os
 import pickle
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 
 from ..engine.reader import CheckpointReader
 from ..format.dtypes import dtype_from_name
-from .blocks import DEFAULT_BLOCK_BYTES, iter_blocks, raw_bytes
+from .blocks import DEFAULT_BLOCK_BYTES, raw_bytes, stream_tensor
 from .output import atomic_file, check_distinct
 from .progress import ProgressFn
 from .reports import ConvertReport
@@ -30,14 +30,14 @@ from .values import decode_values, warn_left_out
 
 log = logging.getLogger(__name__)
 
-Path_ = tuple[Any, ...]
+ObjPath = tuple[Any, ...]
 
 
 @dataclass(frozen=True)
 class _Fill:
     """Bytes to put into the storage of the tensor at ``path``: a checkpoint key or a tensor."""
 
-    path: Path_
+    path: ObjPath
     key: str | None
     tensor: torch.Tensor | None
     nbytes: int
@@ -69,14 +69,7 @@ def export_torch(
         values, left_out = decode_values(reader, selection)
         values = _weights_only_values(values, selection.values, left_out)
         warn_left_out(left_out, "torch export")
-        fills: list[_Fill] = []
-        flat = _fake_tensors(reader, selection.tensors, fills)
-        flat.update({name: _fake_nested(v, (name,), fills) for name, v in values.items()})
-        obj = dict(sorted(flat.items())) if only else nest_top_level(dict(sorted(flat.items())))
-        fills = [
-            _Fill(_nested_path(f.path) if not only else f.path, f.key, f.tensor, f.nbytes)
-            for f in fills
-        ]
+        obj, fills = _skeleton(reader, selection.tensors, values, nested=not only)
         total = sum(f.nbytes for f in fills if f.key is not None)
         with atomic_file(dst_path, overwrite) as tmp:
             with torch.serialization.skip_data(materialize_fake_tensors=True):
@@ -95,7 +88,20 @@ def export_torch(
     )
 
 
-def _nested_path(path: Path_) -> Path_:
+def _skeleton(
+    reader: CheckpointReader, tensors: dict[str, str], values: dict[str, Any], nested: bool
+) -> tuple[dict[str, Any], list[_Fill]]:
+    """The object to save, holding fake tensors, and where each tensor's bytes come from."""
+    fills: list[_Fill] = []
+    flat = _fake_tensors(reader, tensors, fills)
+    flat.update({name: _fake_nested(v, (name,), fills) for name, v in values.items()})
+    flat = dict(sorted(flat.items()))
+    if not nested:
+        return flat, fills
+    return nest_top_level(flat), [replace(f, path=_nested_path(f.path)) for f in fills]
+
+
+def _nested_path(path: ObjPath) -> ObjPath:
     head, dot, rest = str(path[0]).partition(".")
     return (head, rest, *path[1:]) if dot else path
 
@@ -119,7 +125,7 @@ def _fake_tensors(
     return out
 
 
-def _fake_nested(value: Any, path: Path_, fills: list[_Fill]) -> Any:
+def _fake_nested(value: Any, path: ObjPath, fills: list[_Fill]) -> Any:
     """``value`` with each tensor inside it replaced by a fake one (its bytes go to ``fills``)."""
     if isinstance(value, torch.Tensor):
         real = value.detach().contiguous()
@@ -163,18 +169,21 @@ def _fill_storages(
 ) -> None:
     offsets = _storage_offsets(path, fills)
     done = 0
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress is not None:
+            progress(done, total)
+
     with open(path, "r+b") as f:
         for fill, offset in zip(fills, offsets):
             f.seek(offset)
             if fill.tensor is not None:
                 f.write(raw_bytes(fill.tensor))
-                continue
-            assert fill.key is not None
-            for _, block in iter_blocks(reader, fill.key, block_bytes):
-                f.write(raw_bytes(block))
-                done += block.numel() * block.element_size()
-                if progress is not None:
-                    progress(done, total)
+            else:
+                assert fill.key is not None
+                stream_tensor(reader, fill.key, f.write, block_bytes, advance)
 
 
 def _storage_offsets(path: Path, fills: list[_Fill]) -> list[int]:

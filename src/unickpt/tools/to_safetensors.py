@@ -16,7 +16,7 @@ from pathlib import Path
 from ..engine.reader import CheckpointReader
 from ..format.dtypes import dtype_from_name
 from ..layouts.boxes import Box
-from .blocks import DEFAULT_BLOCK_BYTES, iter_blocks, raw_bytes
+from .blocks import DEFAULT_BLOCK_BYTES, stream_tensor
 from .output import atomic_file, check_distinct, fsync_file, prepare_folder, remove_files
 from .progress import ProgressFn
 from .reports import ConvertReport
@@ -107,16 +107,24 @@ def _entries(
 def _write_folder(
     writer: _Writer, dst: Path, entries: list[Entry], max_shard_bytes: int, overwrite: bool
 ) -> list[Path]:
+    """One file or shards plus an index in ``dst``; files of an earlier export are replaced."""
     old = [dst / SINGLE_FILE, dst / INDEX_FILE, *dst.glob("model-*-of-*.safetensors")]
     stale = prepare_folder(dst, old, overwrite, "safetensors export")
     shards = plan_shards(entries, max_shard_bytes)
-    names = (
-        [SINGLE_FILE]
-        if len(shards) == 1
-        else [shard_name(i, len(shards)) for i in range(len(shards))]
-    )
+    n = len(shards)
+    names = [SINGLE_FILE] if n == 1 else [shard_name(i, n) for i in range(n)]
+    _write_shards(writer, dst, shards, names)
+    written = [dst / name for name in names]
+    if n > 1:
+        written.append(_write_index(dst, shards, names, writer.total))
+    remove_files(p for p in stale if p not in written)
+    return written
+
+
+def _write_shards(writer: _Writer, dst: Path, shards: list[list[Entry]], names: list[str]) -> None:
+    """Write every shard under a scratch name, then give them their names."""
     tag = uuid.uuid4().hex[:8]
-    scratch = [dst / f".{n}.{tag}.tmp" for n in names]
+    scratch = [dst / f".{name}.{tag}.tmp" for name in names]
     try:
         for path, shard in zip(scratch, shards):
             writer.write_file(path, shard)
@@ -125,18 +133,14 @@ def _write_folder(
             os.replace(path, dst / name)
     finally:
         remove_files(scratch)
-    if len(shards) > 1:
-        weight_map = {e.name: name for name, shard in zip(names, shards) for e in shard}
-        index = {
-            "metadata": {"total_size": writer.total},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
-        with atomic_file(dst / INDEX_FILE, overwrite=True) as tmp:
-            tmp.write_text(json.dumps(index, indent=2) + "\n")
-    remove_files(
-        p for p in stale if p.name not in names and not (len(shards) > 1 and p.name == INDEX_FILE)
-    )
-    return [dst / n for n in names] + ([dst / INDEX_FILE] if len(shards) > 1 else [])
+
+
+def _write_index(dst: Path, shards: list[list[Entry]], names: list[str], total: int) -> Path:
+    weight_map = {e.name: name for name, shard in zip(names, shards) for e in shard}
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    with atomic_file(dst / INDEX_FILE, overwrite=True) as tmp:
+        tmp.write_text(json.dumps(index, indent=2) + "\n")
+    return dst / INDEX_FILE
 
 
 class _Writer:
@@ -157,14 +161,17 @@ class _Writer:
         self.total = total
         self.done = 0
 
+    def _advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
     def write_file(self, path: Path, entries: list[Entry]) -> None:
         ordered = order_entries(entries)
         with open(path, "wb") as f:
             f.write(encode_header(ordered, {"format": "pt"}))
             for e in ordered:
-                for _, block in iter_blocks(self.reader, self.keys[e.name], self.block_bytes):
-                    f.write(raw_bytes(block))
-                    self.done += block.numel() * block.element_size()
-                    if self.progress is not None:
-                        self.progress(self.done, self.total)
+                stream_tensor(
+                    self.reader, self.keys[e.name], f.write, self.block_bytes, self._advance
+                )
         log.debug("wrote %d tensors into %s", len(entries), path)

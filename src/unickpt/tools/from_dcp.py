@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
-from .dcp_common import METADATA_FILE, single_process
+from .dcp_common import METADATA_FILE, nest_by_paths, single_process
 from .imports import save_imported, with_prefix
 from .output import check_distinct
 from .progress import ProgressFn
@@ -74,8 +74,9 @@ def import_dcp(
 ) -> ConvertReport:
     """Save the DCP checkpoint in folder ``src`` as unickpt checkpoint ``dst``.
 
-    DCP keys are the dotted paths of the state DCP saved, as are unickpt's, so
-    ``unickpt.load(dst, state)`` fills a state of the structure ``dcp.save`` was given.
+    The state ``dcp.save`` was given is rebuilt from DCP's recorded object paths (lists
+    included) before it is saved, so ``unickpt.load(dst, state)`` fills a state of that
+    structure.
 
     >>> import_dcp("dcp/step-100", "ckpt/step-100")  # doctest: +SKIP
     """
@@ -94,7 +95,8 @@ def import_dcp(
     with tempfile.TemporaryDirectory(prefix=f".{dst_path.name}.", dir=dst_path.parent) as scratch:
         spool = Spool(Path(scratch) / "tensors.bin")
         _spool_tensors(src_path, tensors, spool, group_bytes, progress)
-        state = with_prefix({**spool.tensors(), **values}, prefix, src_path)
+        flat = {**spool.tensors(), **values}
+        state = with_prefix(nest_by_paths(flat, meta.planner_data), prefix, src_path)
         return save_imported(
             state,
             src_path,

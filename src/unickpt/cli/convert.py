@@ -1,0 +1,136 @@
+"""``unickpt convert SRC DST --to FORMAT | --from FORMAT``: export or import a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import CheckpointError
+from ..tools.convert import FORMATS, ConvertOptions, export_checkpoint, import_checkpoint
+from ..tools.progress import progress_bar, wants_progress
+from ..tools.reports import ConvertReport
+from ..tools.to_safetensors import DEFAULT_MAX_SHARD_BYTES
+from ..tools.units import format_bytes, parse_size
+
+_DESCRIPTION = """\
+Export a unickpt checkpoint to another format (--to), consolidated into whole tensors, or
+import one into a new unickpt checkpoint (--from). Exports stream each tensor in bounded
+blocks; imports memory-map the source (DCP: a scratch copy), so memory stays near the
+largest tensor.
+
+--to safetensors    DST is a folder (model.safetensors, or above --max-shard-size Hugging
+                    Face shards model-0000i-of-0000n.safetensors with
+                    model.safetensors.index.json), or a file ending in .safetensors. Dotted
+                    keys (model.layers.0.weight); Python values are left out.
+--to torch          DST is one torch.save file of a nested dict ({"model": {...}, "step":
+                    7}) that torch.load(weights_only=True) reads.
+--to dcp            DST is a torch.distributed.checkpoint folder; dcp.load reads it in one
+                    process into a state with the same keys.
+--only NAME         exports only the subtree NAME, with the "NAME." prefix removed, ready
+                    for model.load_state_dict.
+
+--from torch        SRC is a torch.save file holding a dict (read with weights_only=True).
+--from safetensors  SRC is a .safetensors file, or a folder with an index JSON.
+--from dcp          SRC is a torch.distributed.checkpoint folder.
+The new checkpoint keeps the source's structure, so unickpt.load(DST, state) fills a state
+shaped like the source; --prefix NAME puts everything under NAME.
+
+examples:
+  unickpt convert ckpt/step-1000 hf-model --to safetensors --only model --max-shard-size 2GB
+  unickpt convert model.pt ckpt/imported --from torch --prefix model"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds the ``convert`` command."""
+    parser = subparsers.add_parser(
+        "convert",
+        help="export to safetensors, torch or dcp, or import from them",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("src", metavar="SRC", help="what to convert")
+    parser.add_argument("dst", metavar="DST", help="where to write the result")
+    direction = parser.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--to", choices=FORMATS, help="export unickpt checkpoint SRC")
+    direction.add_argument(
+        "--from",
+        dest="from_",
+        choices=FORMATS,
+        metavar="{safetensors,torch,dcp}",
+        help="import SRC into a new unickpt checkpoint",
+    )
+    parser.add_argument("--only", metavar="NAME", help="export only this subtree, prefix removed")
+    parser.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="safetensors shard limit, e.g. 5GB (default), 500MB, 2GiB",
+    )
+    parser.add_argument("--prefix", metavar="NAME", help="import everything under this key")
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="import objects that need pickle (only from sources you trust)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    parser.add_argument(
+        "--progress",
+        action="store_true",
+        help="draw a progress bar on stderr even when it is not a terminal",
+    )
+    parser.set_defaults(func=run)
+
+
+def _misused(args: argparse.Namespace) -> str | None:
+    """The first option that does not apply to the chosen direction and format, if any."""
+    if args.to:
+        if args.prefix or args.allow_pickle:
+            return "--prefix and --allow-pickle apply to imports (--from)"
+        if args.max_shard_size and args.to != "safetensors":
+            return "--max-shard-size applies to --to safetensors"
+    else:
+        if args.only or args.max_shard_size:
+            return "--only and --max-shard-size apply to exports (--to)"
+        if args.allow_pickle and args.from_ == "safetensors":
+            return "--allow-pickle applies to --from torch and --from dcp"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    misuse = _misused(args)
+    if misuse:
+        print(f"error: {misuse}; see unickpt convert --help.", file=sys.stderr)
+        return 2
+    fmt = args.to or args.from_
+    verb = "exporting" if args.to else "importing"
+    try:
+        shard = parse_size(args.max_shard_size) if args.max_shard_size else DEFAULT_MAX_SHARD_BYTES
+        # imports from torch and safetensors happen inside one save, which reports no progress
+        shown = wants_progress(args.progress) and (args.to or fmt == "dcp")
+        with progress_bar(f"{verb} ({fmt})", bool(shown)) as progress:
+            options = ConvertOptions(
+                only=args.only,
+                max_shard_bytes=shard,
+                prefix=args.prefix,
+                allow_pickle=args.allow_pickle,
+                overwrite=args.overwrite,
+                progress=progress,
+            )
+            convert = export_checkpoint if args.to else import_checkpoint
+            report = convert(args.src, args.dst, fmt, options)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(render(report, exported=bool(args.to)))
+    return 0
+
+
+def render(r: ConvertReport, exported: bool) -> str:
+    target = r.format if exported else "unickpt"
+    files = f"{len(r.files)} file{'s' if len(r.files) != 1 else ''}"
+    line = (
+        f"wrote {r.destination} ({target}, {files}): {r.tensors} tensors, {r.values} values, "
+        f"{format_bytes(r.tensor_bytes)} in {r.elapsed_s:.2f} s"
+    )
+    if r.left_out:
+        line += f"; left out {len(r.left_out)} (listed in the warning above)"
+    return line

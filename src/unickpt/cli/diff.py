@@ -1,0 +1,112 @@
+"""``unickpt diff A B``: which tensors and values of two checkpoints differ, and by how much."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from ..errors import CheckpointError
+from ..tools.diff import DiffReport, TensorDiff, diff_checkpoints
+from ..tools.progress import progress_bar, wants_progress
+from ..tools.table import format_table
+from ..tools.units import format_bytes
+
+_DESCRIPTION = """\
+Compare two checkpoints tensor by tensor, reading large tensors in row blocks, and value by
+value. Lists tensors only in A or only in B, with different shapes or dtypes, or with
+different values (with the largest absolute difference |a - b| and relative difference
+|a - b| / max(|a|, |b|)), and values that differ. Layouts and world sizes may differ: the
+global tensors are compared.
+
+exit status: 0 identical, 1 different, 2 error"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds the ``diff`` command."""
+    parser = subparsers.add_parser(
+        "diff",
+        help="compare two checkpoints",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("a", metavar="A", help="first checkpoint folder")
+    parser.add_argument("b", metavar="B", help="second checkpoint folder")
+    parser.add_argument(
+        "--atol",
+        type=float,
+        default=0.0,
+        help="tensors whose elements all satisfy |a - b| <= atol + rtol * |b| "
+        "count as equal (default: 0, every bit counts)",
+    )
+    parser.add_argument("--rtol", type=float, default=0.0, help="see --atol (default: 0)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--progress",
+        action="store_true",
+        help="draw a progress bar on stderr even when it is not a terminal",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with progress_bar("comparing", wants_progress(args.progress)) as progress:
+            report = diff_checkpoints(
+                args.a, args.b, atol=args.atol, rtol=args.rtol, progress=progress
+            )
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**asdict(report), "identical": report.identical}, indent=2))
+    else:
+        print(render(report))
+    return 0 if report.identical else 1
+
+
+def _what(d: TensorDiff) -> str:
+    if d.kind == "only_a":
+        return "only in A"
+    if d.kind == "only_b":
+        return "only in B"
+    if d.kind == "kind":
+        return "tensor in one, value in the other"
+    if d.kind == "shape":
+        return f"shape {list(d.shape_a or ())} vs {list(d.shape_b or ())}"
+    if d.kind == "dtype":
+        return f"dtype {d.dtype_a} vs {d.dtype_b}"
+    return "values differ"
+
+
+def _number(x: float | None) -> str:
+    return "" if x is None else f"{x:.6g}"
+
+
+def render(r: DiffReport) -> str:
+    compared = (
+        f"{r.tensors_compared} tensors ({format_bytes(r.bytes_compared)}) and "
+        f"{r.values_compared} values compared in {r.elapsed_s:.2f} s"
+    )
+    if r.identical:
+        return f"identical: {r.a} and {r.b}: {compared}"
+    parts = [f"different: {r.a} (A) and {r.b} (B): {compared}"]
+    if r.tensors:
+        rows = [
+            [
+                d.key,
+                _what(d),
+                _number(d.max_abs),
+                _number(d.max_rel),
+                "" if d.differing is None else str(d.differing),
+            ]
+            for d in r.tensors
+        ]
+        headers = ["tensor", "difference", "max abs", "max rel", "elements"]
+        parts.append(format_table(headers, rows, right="234"))
+    if r.values:
+        names = {"only_a": "only in A", "only_b": "only in B", "values": "differs"}
+        rows = [[v.key, names[v.kind], v.a or "", v.b or ""] for v in r.values]
+        parts.append(format_table(["value", "difference", "A", "B"], rows))
+    return "\n\n".join(parts)

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,12 @@ from . import api
 from .config import Config, get_config
 from .dist import Comm, run_step
 from .engine.futures import SaveFuture
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointLockedError,
+    CheckpointNotFoundError,
+)
 from .format.metadata import COMMIT_FILE
 from .storage.local import LocalStorage
 
@@ -63,12 +69,18 @@ class Checkpointer:
         self.config = config or get_config()
         self._comm = Comm(group, self.config.collective_timeout_s)
         self._pending: SaveFuture | None = None
-        self._release = None
+        self._release: Callable[[], None] | None = None
 
-        def lock() -> tuple[Any, None]:
-            if self._comm.is_coordinator:
+        def lock() -> tuple[Callable[[], None] | None, None]:
+            if not self._comm.is_coordinator:
+                return None, None
+            try:
                 return LocalStorage(self.root).acquire_lock(), None
-            return None, None
+            except CheckpointLockedError:
+                raise
+            except CheckpointError as e:
+                log.warning("%s; checkpoints here can be loaded but not saved", e)
+                return None, None
 
         self._release, _ = run_step(self._comm, "opening the checkpoint root", lock)
 
@@ -133,7 +145,7 @@ class Checkpointer:
     def wait(self) -> None:
         """Wait for the pending asynchronous save; re-raise its failure."""
         pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is not None and not (pending.done() and pending.error_reported):
             pending.wait()
 
     def close(self) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -38,6 +39,7 @@ class Comm:
 
     def __init__(self, group: Any = None, timeout_s: float = 1800.0) -> None:
         self._pg: Any = None
+        self._timeout_s = timeout_s
         if dist.is_available() and dist.is_initialized():
             ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
             self.rank = dist.get_rank(group) if group is not None else dist.get_rank()
@@ -56,7 +58,8 @@ class Comm:
         if self._pg is None:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._pg)
+        with self._peers_lost("all_gather"):
+            dist.all_gather_object(out, obj, group=self._pg)
         return out
 
     def gather(self, obj: T) -> list[T] | None:
@@ -64,7 +67,8 @@ class Comm:
         if self._pg is None:
             return [obj]
         out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
-        dist.gather_object(obj, out, dst=self._global_ranks[0], group=self._pg)
+        with self._peers_lost("gather"):
+            dist.gather_object(obj, out, dst=self._global_ranks[0], group=self._pg)
         return out
 
     def broadcast(self, obj: T) -> T:
@@ -72,12 +76,35 @@ class Comm:
         if self._pg is None:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self._global_ranks[0], group=self._pg)
+        with self._peers_lost("broadcast"):
+            dist.broadcast_object_list(box, src=self._global_ranks[0], group=self._pg)
         return box[0]
 
     def barrier(self) -> None:
         if self._pg is not None:
-            dist.barrier(group=self._pg)
+            with self._peers_lost("barrier"):
+                dist.barrier(group=self._pg)
+
+    @contextlib.contextmanager
+    def _peers_lost(self, what: str) -> Iterator[None]:
+        """Turn a collective's failure (a dead, hung or diverging rank) into our error."""
+        try:
+            yield
+        except RuntimeError as e:
+            others = [r for r in range(self.world_size) if r != self.rank]
+            named = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {_span(others)}"
+            raise E.DistributedCheckpointError(
+                f"rank {self.rank}: the {what} among the {self.world_size} ranks of this "
+                f"checkpoint failed ({e}): {named} died, hung past the collective timeout "
+                f"({self._timeout_s:.0f} s, UNICKPT_COLLECTIVE_TIMEOUT_S) or raised outside "
+                "unickpt: look at the other ranks' logs. The previous checkpoint is intact.",
+                {},
+            ) from e
+
+
+def _span(ranks: list[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:8])
+    return shown + (f" ... {ranks[-1]}" if len(ranks) > 8 else "")
 
 
 def _gloo_group(ranks: tuple[int, ...], group: Any, timeout_s: float) -> Any:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import xxhash
 
+
 def bits(t: torch.Tensor) -> bytes:
     """The raw bytes of a tensor (bitwise comparison; NaN equals the same NaN)."""
     flat = t.detach().contiguous().reshape(-1)
@@ -50,10 +51,11 @@ def repin(folder: Path, commit: dict[str, Any] | None = None) -> None:
     metadata in COMMIT (with ``commit`` fields overridden), so a forged file looks intact."""
     path = metadata_path(folder)
     doc = json.loads(path.read_bytes())
-    refs = [f for f in doc.get("files", []) if isinstance(f, dict) and "index" in f]
+    files = doc.get("files") if isinstance(doc, dict) else None
+    refs = [f for f in files or [] if isinstance(f, dict) and isinstance(f.get("index"), str)]
     for ref in refs:
-        index = folder / str(ref["index"])
-        if index.is_file() and index.parent == folder:
+        index = folder / ref["index"]
+        if "/" not in ref["index"] and index.is_file():
             ref["index_nbytes"], ref["index_checksum"] = _pin(index.read_bytes())
     if refs:
         path.write_bytes(json.dumps(doc, separators=(",", ":")).encode())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -49,10 +50,8 @@ class SaverServer:
 
     def kill(self, pid: int) -> dict[str, Any]:
         """SIGKILL worker ``pid`` and wait until it is gone; how it ended."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         return self._ask({"cmd": "reap", "pid": pid})
 
     def close(self) -> None:
@@ -105,9 +104,10 @@ def _entry(
         q.put((rank, True, fn(rank, world, *args)))
     except BaseException as e:  # noqa: BLE001 - sent to the test
         q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # A peer may be gone: tearing the process group down could wait on it. Flush and leave.
+    q.close()
+    q.join_thread()
+    os._exit(0)
 
 
 def run_ranks_some_die(
@@ -122,9 +122,7 @@ def run_ranks_some_die(
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(r, world, port, fn, args, q)) for r in range(world)
-    ]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, q)) for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}

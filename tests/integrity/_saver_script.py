@@ -39,7 +39,7 @@ def build_state() -> dict[str, Any]:
     """A model, an Adam optimizer with its state created, and a progress counter."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(256, 384), torch.nn.ReLU(), torch.nn.Linear(384, 256)
+        torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128)
     )
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     for p in model.parameters():

@@ -23,6 +23,6 @@ def saver_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SaverServ
 @pytest.fixture
 def rng(request: pytest.FixtureRequest) -> random.Random:
     """A seeded generator; the seed is printed so a failing run can be replayed."""
-    seed = int(os.environ.get("UNICKPT_TEST_SEED", time.time_ns() % 1_000_000_007))
-    print(f"\n{request.node.name}: seed {seed} (replay with UNICKPT_TEST_SEED={seed})")
+    seed = int(os.environ.get("INTEGRITY_SEED", time.time_ns() % 1_000_000_007))
+    print(f"\n{request.node.name}: seed {seed} (replay with INTEGRITY_SEED={seed})")
     return random.Random(seed)

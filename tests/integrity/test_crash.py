@@ -22,7 +22,7 @@ from tests.integrity._helpers import debris, tmp_files
 from tests.integrity._procs import SaverServer, committed_steps
 from tests.integrity._saver_script import KEEP_LAST, build_state, check_step, set_step
 
-TRIALS = int(os.environ.get("UNICKPT_KILL_TRIALS", "25"))
+TRIALS = int(os.environ.get("INTEGRITY_KILL_TRIALS", "25"))
 MAX_DELAY_S = 0.3
 SENTINEL = -7
 
@@ -43,9 +43,13 @@ def _step_folders(root: Path) -> list[Path]:
 
 
 def _check_root_after_kill(
-    root: Path, state: dict[str, Any], floor: int | None
+    root: Path, state: dict[str, Any], floor: int
 ) -> tuple[int, list[str], bool]:
-    """Load the newest step, save the next, check the root is clean; (saved step, problems)."""
+    """Load the newest step, save the next, check the root is clean.
+
+    ``floor`` is the newest step known committed (-1: none). Returns the step saved here, the
+    problems found, and whether the kill had left a save unfinished.
+    """
     problems: list[str] = []
     interrupted = any(not (p / "COMMIT").exists() for p in _step_folders(root))
     with warnings.catch_warnings(record=True) as caught:
@@ -56,14 +60,14 @@ def _check_root_after_kill(
             newest = ckpt.steps()[-1] if ckpt.steps() else None
             step = ckpt.load_latest(state)
             if step is None:
-                if floor is not None:
+                if floor >= 0:
                     problems.append(f"nothing loaded, but step {floor} was committed")
                 nxt = 0
             else:
                 got, wrong = check_step(state)
                 if got != step or wrong:
                     problems.append(f"step {step} loaded with values of {got}; wrong: {wrong}")
-                if floor is not None and step < floor:
+                if step < floor:
                     problems.append(f"loaded step {step}, but step {floor} was committed")
                 if step != newest:
                     problems.append(f"loaded step {step}, but the newest committed is {newest}")
@@ -97,8 +101,7 @@ def test_checkpointer_survives_sigkill(
 ) -> None:
     root = tmp_path / "run"
     state = build_state()
-    floor: int | None = None
-    start = 0
+    floor, start = -1, 0
     failures: list[str] = []
     interrupted = committed = 0
     for trial in range(TRIALS):
@@ -106,8 +109,7 @@ def test_checkpointer_survives_sigkill(
         problems = _kill_after_random_delay(saver_server, mode, root, report, start, rng)
         reported = committed_steps(report)
         committed += len(reported)
-        floor = max([*reported, floor if floor is not None else -1])
-        floor = None if floor < 0 else floor
+        floor = max([floor, *reported])
         saved, found, was_interrupted = _check_root_after_kill(root, state, floor)
         interrupted += was_interrupted
         failures += [f"trial {trial}: {p}" for p in problems + found]

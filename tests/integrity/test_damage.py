@@ -24,6 +24,8 @@ import unickpt
 from tests.distributed import run_ranks
 from tests.integrity._helpers import bits
 
+# Small checksum segments, so a tensor spans several; loads use the same settings (see
+# test_checkpoint_saved_with_another_segment_size_loads for why they must, for now).
 SEGMENT = 4096
 CONFIG = dict(segment_bytes=SEGMENT, window_bytes=4 * SEGMENT, read_piece_bytes=4 * SEGMENT)
 MAX_FLIPS_PER_FILE = 160
@@ -75,7 +77,9 @@ def _two_rank_state(rank: int) -> dict[str, Any]:
     return {
         "t": {
             **t,
-            "big": unickpt.ShardedTensor(big[rank * 24 : (rank + 1) * 24], (48, 64), (rank * 24, 0)),
+            "big": unickpt.ShardedTensor(
+                big[rank * 24 : (rank + 1) * 24], (48, 64), (rank * 24, 0)
+            ),
             "ids": unickpt.FlatShard(
                 flat[:n].clone() if rank == 0 else flat[n:].clone(), (300,), 0 if rank == 0 else n
             ),
@@ -109,7 +113,9 @@ def _same_value(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a):
         return math.isnan(b)
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+        )
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(map(_same_value, a, b))
     return type(a) is type(b) and a == b
@@ -176,10 +182,12 @@ def _run_damage_trials(pristine: Path, work: Path, rng: random.Random) -> collec
     shutil.copytree(pristine, work)
     assert _load_outcome(work) == "ok"
     outcomes: collections.Counter[str] = collections.Counter()
+    per_file: dict[str, collections.Counter[str]] = {}
     failures = []
     names = sorted(p.name for p in pristine.iterdir())
     for name in names:
         raw = (pristine / name).read_bytes()
+        seen = per_file[name] = collections.Counter()
         for what, damage in _damages(raw, rng):
             target = work / name
             damaged = damage(raw)
@@ -188,15 +196,18 @@ def _run_damage_trials(pristine: Path, work: Path, rng: random.Random) -> collec
             else:
                 target.write_bytes(damaged)
             try:
-                outcomes[_load_outcome(work)] += 1
+                seen[_load_outcome(work)] += 1
             except AssertionError as e:
                 failures.append(f"{name}, {what}: {e}")
             target.write_bytes(raw)
+        outcomes += seen
     for name in names:
         assert (work / name).read_bytes() == (pristine / name).read_bytes()
     assert sorted(p.name for p in work.iterdir()) == names
     trials = sum(outcomes.values()) + len(failures)
     print(f"{pristine.name}: {trials} damage trials over {len(names)} files: {dict(outcomes)}")
+    for name, seen in per_file.items():
+        print(f"  {name}: {dict(seen)}")
     assert not failures, f"{len(failures)} of {trials} trials failed:\n" + "\n".join(failures[:40])
     return outcomes
 
@@ -225,3 +236,12 @@ def test_damage_is_caught_or_harmless(
         assert len(list(pristine.glob("data-*"))) == 2
     outcomes = _run_damage_trials(pristine, tmp_path / "work", rng)
     assert outcomes["CheckpointCorruptError"] > 0
+
+
+def test_checkpoint_saved_with_another_segment_size_loads(one_rank: Path) -> None:
+    """The trials above load with the saving config; a default reader must load it too."""
+    state = _blank()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unickpt.load(one_rank, state, strict=False)
+    assert _wrong_values(state) == []

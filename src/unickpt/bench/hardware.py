@@ -57,7 +57,7 @@ def measure_hardware(workdir: Path, local_bytes: int) -> HardwareResult:
 
 
 def _write_fsync(file: Path, chunk: np.ndarray, total: int) -> None:
-    view = memoryview(chunk)
+    view = memoryview(chunk.tobytes())
     with file.open("wb", buffering=0) as handle:
         left = total
         while left > 0:

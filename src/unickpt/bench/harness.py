@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -38,7 +39,9 @@ log = logging.getLogger(__name__)
 _SETUP_TIMEOUT_S = 600.0
 _SHM = Path("/dev/shm")
 # Files the peers leave in shared memory when not run under their own launchers.
-_SHM_LEFTOVER_MARKERS = ("ckpt_shm", "checkpoint_shm")
+_SHM_LEFTOVER_MARKERS = ("ckpt_shm",)
+# DLRover's saver sockets; stale ones make the next run wait forever on a dead saver.
+_SOCKET_DIR = Path(tempfile.gettempdir()) / "ckpt_sock"
 _PEER_ENV: dict[str, dict[str, str]] = {
     # bytecheckpoint's load of extra_state calls torch.load without weights_only=False.
     "bytecheckpoint": {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"},
@@ -100,10 +103,11 @@ def _run_peer(config: BenchConfig, name: str) -> _JobOutcome:
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["import failed"])[-1]
         return _single(name, STATUS_NOT_INSTALLED, f"{info.module}: {last}")
+    _clean_peer_leftovers()
     try:
         return _run_job(config, python, [name], hardware=False)
     finally:
-        _clean_shared_memory()
+        _clean_peer_leftovers()
 
 
 def _single(name: str, status: str, message: str) -> _JobOutcome:
@@ -177,7 +181,9 @@ def _launch(
     command += [] if config.warmup else ["--no-warmup"]
     timeout_s = _SETUP_TIMEOUT_S + config.system_timeout_s * max(1, len(systems))
     log.info("job %s: %s", tag, " ".join(command))
-    status = _wait(command, log_path, timeout_s, _job_env(systems[0] if len(systems) == 1 else None))
+    status = _wait(
+        command, log_path, timeout_s, _job_env(systems[0] if len(systems) == 1 else None)
+    )
     lines = _read_lines(results)
     shutil.rmtree(workdir, ignore_errors=True)
     return status, lines, log_path
@@ -213,8 +219,9 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
     return lines
 
 
-def _clean_shared_memory() -> None:
-    """Remove checkpoint buffers a peer left in /dev/shm."""
+def _clean_peer_leftovers() -> None:
+    """Remove checkpoint buffers a peer left in /dev/shm, and its saver sockets."""
+    shutil.rmtree(_SOCKET_DIR, ignore_errors=True)
     if not _SHM.is_dir():
         return
     for entry in _SHM.iterdir():

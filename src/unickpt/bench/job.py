@@ -27,8 +27,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from unickpt.bench.hardware import measure_hardware
-from unickpt.bench.model import GPTConfig, TrainState, build_train_state, config_for_params
-from unickpt.bench.model import local_state_bytes
+from unickpt.bench.model import (
+    GPTConfig,
+    TrainState,
+    build_train_state,
+    config_for_params,
+    local_state_bytes,
+)
 from unickpt.bench.results import (
     STATUS_ERROR,
     STATUS_NOT_INSTALLED,
@@ -36,7 +41,7 @@ from unickpt.bench.results import (
     SystemResult,
     combine,
 )
-from unickpt.bench.runner import IterationBaseline, measure_baseline, measure_system
+from unickpt.bench.runner import IterationBaseline, describe, measure_baseline, measure_system
 from unickpt.bench.systems import CheckpointSystem, create_system
 from unickpt.bench.systems.registry import SYSTEMS_BY_NAME
 
@@ -89,8 +94,8 @@ def _create(name: str) -> tuple[CheckpointSystem | None, str, str]:
         return create_system(name), "", ""
     except ImportError as exc:
         return None, STATUS_NOT_INSTALLED, str(exc)
-    except Exception as exc:
-        return None, STATUS_ERROR, f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - recorded as this system's error row
+        return None, STATUS_ERROR, describe(exc)
 
 
 def _run_system(
@@ -111,9 +116,11 @@ def _run_system(
     error = ""
     try:
         measurement = measure_system(system, args.workdir, state, reshard, base, not args.no_warmup)
-    except Exception as exc:
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         log.error("%s failed on rank %d:\n%s", name, dist.get_rank(), traceback.format_exc())
-        error = f"{type(exc).__name__}: {exc}"
+        error = describe(exc)
     finally:
         system.close()
     failure = _agree(measurement is not None, error)

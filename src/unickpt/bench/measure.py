@@ -104,11 +104,28 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
+def _private_bytes(pid: int) -> int:
+    """Pages only this process maps (its own allocations and copied-on-write pages)."""
+    try:
+        text = (_PROC / str(pid) / "smaps_rollup").read_text()
+    except OSError:
+        return 0
+    total = 0
+    for line in text.splitlines():
+        if line.startswith(("Private_Clean:", "Private_Dirty:")):
+            total += int(line.split()[1]) * _PAGE_KIB
+    return total
+
+
+def _tree_bytes(root: int, children: list[int]) -> int:
+    return _rss_bytes(root) + sum(_private_bytes(p) for p in children)
+
+
 def tree_rss_bytes(pid: int | None = None) -> int:
-    """Resident memory of a process and its live descendants, summed (shared pages that several
-    of them map are counted once per process)."""
+    """Resident memory of a process plus the private memory of its live descendants (a forked
+    helper shares the parent's pages; only what it owns is counted)."""
     root = os.getpid() if pid is None else pid
-    return sum(_rss_bytes(p) for p in [root, *descendants(root)])
+    return _tree_bytes(root, descendants(root))
 
 
 def _reset_self_peak() -> bool:
@@ -130,8 +147,8 @@ class PeakMemory:
     """Context manager measuring the resident-memory high-water mark above the level at entry.
 
     Two sources, the larger wins: the kernel's own high-water mark of this process (reset at
-    entry through /proc/self/clear_refs, exact), and a thread sampling the RSS of the process
-    tree every ``interval_s`` (catches helper processes).
+    entry through /proc/self/clear_refs, exact), and a thread sampling every ``interval_s`` this
+    process's RSS plus the private memory of its helper processes (:func:`tree_rss_bytes`).
     """
 
     def __init__(self, interval_s: float = 0.01) -> None:
@@ -155,13 +172,13 @@ class PeakMemory:
 
     def _sample(self) -> None:
         root = os.getpid()
-        pids = [root, *descendants(root)]
+        children = descendants(root)
         last_scan = time.monotonic()
         while not self._stop.wait(self._interval_s):
             if time.monotonic() - last_scan > _RESCAN_S:
-                pids = [root, *descendants(root)]
+                children = descendants(root)
                 last_scan = time.monotonic()
-            self._peak_tree = max(self._peak_tree, sum(_rss_bytes(p) for p in pids))
+            self._peak_tree = max(self._peak_tree, _tree_bytes(root, children))
 
     def __exit__(
         self,

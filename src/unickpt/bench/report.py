@@ -107,7 +107,8 @@ def _hardware_lines(hw: HardwareResult | None) -> list[str]:
         return ["Hardware limits: not measured."]
     return [
         f"Hardware, same run ({hw.writers} processes, {hw.total_bytes / _MB:,.0f} MB): "
-        f"sequential write + fsync {hw.write_fsync_s:.3f} s ({hw.write_bytes_per_s / _MB:,.0f} MB/s); "
+        f"sequential write + fsync {hw.write_fsync_s:.3f} s "
+        f"({hw.write_bytes_per_s / _MB:,.0f} MB/s); "
         f"sequential read, page cache warm {hw.read_warm_s:.3f} s "
         f"({hw.read_bytes_per_s / _MB:,.0f} MB/s); "
         f"memcpy {hw.memcpy_bytes_per_s / _MB:,.0f} MB/s."
@@ -186,7 +187,9 @@ def write_chart(report: BenchReport, path: Path) -> bool:
         ax.bar([x + i * width for x in range(len(rows))], values, width, label=label)
     hw = report.hardware
     if hw is not None:
-        ax.axhline(hw.write_fsync_s, color="grey", linestyle="--", linewidth=1, label="HW write+fsync")
+        ax.axhline(
+            hw.write_fsync_s, color="grey", linestyle="--", linewidth=1, label="HW write+fsync"
+        )
         ax.axhline(hw.read_warm_s, color="grey", linestyle=":", linewidth=1, label="HW read (warm)")
     ax.set_xticks([x + 1.5 * width for x in range(len(rows))])
     ax.set_xticklabels([r.label for r in rows], rotation=30, ha="right", fontsize=8)

@@ -95,7 +95,7 @@ class _DurableWatch:
     def _wait(self) -> None:
         try:
             self._handle.wait()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised by join()
             self._error = exc
         self.done_at = now()
 
@@ -157,9 +157,11 @@ def _load(
             (system.reshard_load if reshard else system.load)(path, state)
         except Unsupported as exc:
             error = f"{what}: not supported ({exc})"
-        except Exception as exc:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is one
             log.debug("%s failed:\n%s", what, traceback.format_exc())
-            error = f"{what}: {type(exc).__name__}: {exc}"
+            error = f"{what}: {describe(exc)}"
         seconds = now() - t0
     moved = io_delta(before, tree_io())
     if not _all_ranks_ok(not error):
@@ -171,6 +173,13 @@ def _load(
             "%s: %d tensors differ after %s, e.g. %s", system.info.name, len(bad), what, bad[0]
         )
     return _LoadPhase(seconds, moved.rchar, moved.read_bytes, memory.extra_bytes, len(bad))
+
+
+def describe(exc: BaseException, limit: int = 300) -> str:
+    """The exception's type and its last meaningful line (DCP wraps every rank's traceback)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _all_ranks_ok(ok: bool) -> bool:

@@ -9,6 +9,7 @@ is drawn.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from unickpt.demo.config import DemoConfig
@@ -122,9 +123,13 @@ def _style(
     )
     top.set_ylabel("training loss (global batch)")
     top.scatter([], [], marker="v", color="0.3", label="checkpoint saved (hollow: lost)")
-    top.legend(loc="upper right", fontsize=8)
+    top.legend(loc="lower left", fontsize=8)
     top.grid(alpha=0.3)
     bottom.set_yscale("symlog", linthresh=_LINEAR_BELOW)
+    largest = max((c.max_abs_diff for c in comparisons), default=0.0)
+    top_decade = math.ceil(math.log10(10 * max(largest, config.loss_tolerance)))
+    bottom.set_ylim(-0.3 * _LINEAR_BELOW, 10.0**top_decade)
+    bottom.set_yticks([0.0, *(10.0**e for e in range(-8, top_decade + 1, 2))])
     bottom.axhline(config.loss_tolerance, color="red", linestyle="--", linewidth=0.8)
     bottom.annotate(
         "tolerance",
@@ -135,8 +140,8 @@ def _style(
         fontsize=7,
         color="red",
     )
-    exact = ", ".join(c.label for c in comparisons if c.bitwise) or "none"
-    bottom.set_title(f"|loss - reference|   (0 = bit for bit: {exact})", fontsize=9)
+    bottom.set_ylabel("|loss - reference|")
+    bottom.set_title("distance from the reference at each step (0: bit for bit)", fontsize=9)
     bottom.set_xlabel("step")
     bottom.grid(alpha=0.3)
 

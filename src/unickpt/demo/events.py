@@ -12,29 +12,41 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PhaseStarted:
+    """The processes are up and the model is built; a :class:`Loaded` follows if ``resumes``."""
+
     phase: str
     label: str
     world_size: int
     end_step: int
     num_parameters: int
+    resumes: bool
 
 
 @dataclass(frozen=True)
 class Loaded:
-    """A checkpoint was loaded (``step`` is None when none was committed yet)."""
+    """A checkpoint was loaded (``step`` is None when none was committed yet).
+
+    ``digest`` is the :func:`~unickpt.demo.digest.state_digest` of the state after loading.
+    """
 
     phase: str
     step: int | None
     load_s: float
+    digest: str
 
 
 @dataclass(frozen=True)
 class StepDone:
-    """``loss`` is the mean over the whole global batch, the same on every rank."""
+    """``loss`` is the mean over the whole global batch, the same on every rank.
+
+    On save steps (also in runs that do not save) ``digest`` is the state's digest after the
+    step's update; otherwise it is None.
+    """
 
     phase: str
     step: int
     loss: float
+    digest: str | None = None
 
 
 @dataclass(frozen=True)

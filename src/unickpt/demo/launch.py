@@ -1,6 +1,6 @@
 """Starting the training processes of a phase, relaying their events, and killing one.
 
-:func:`launch_phase` spawns ``world_size`` processes that meet over gloo through a file in the
+:func:`launch_phase` starts ``world_size`` processes that meet over gloo through a file in the
 output folder, so no port is needed. Rank 0 sends its events through a queue; the launcher
 hands them to the caller's sink. When the phase has ``kill_at``, the launcher sends SIGKILL to
 the last rank as soon as rank 0 reports that the save of that step started (the write is then
@@ -17,7 +17,7 @@ import os
 import queue
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -36,7 +36,7 @@ _STOP_GRACE_S = 10.0
 
 def launch_phase(config: DemoConfig, phase: Phase, sink: EventSink) -> None:
     """Runs ``phase`` in fresh processes and returns when they are gone."""
-    context = multiprocessing.get_context("spawn")
+    context = _context()
     events: Any = context.Queue()
     store = os.path.join(config.out_dir, f".rendezvous-{phase.name}")
     if os.path.exists(store):
@@ -57,6 +57,15 @@ def launch_phase(config: DemoConfig, phase: Phase, sink: EventSink) -> None:
         events.close()
         if os.path.exists(store):
             os.remove(store)
+
+
+def _context() -> Any:
+    """A fork server where there is one: it imports torch once, then forks each worker fast."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
 
 
 def run_under_torchrun(config: DemoConfig, sink: EventSink) -> int:
@@ -99,7 +108,9 @@ def _process_group(world_size: int, rank: int, init_method: str) -> Iterator[Non
         dist.destroy_process_group()
 
 
-def _relay(phase: Phase, processes: list[BaseProcess], events: Any, sink: EventSink) -> int | None:
+def _relay(
+    phase: Phase, processes: Sequence[BaseProcess], events: Any, sink: EventSink
+) -> int | None:
     """Hands events to ``sink`` until every process has exited; returns the killed rank."""
     killed: int | None = None
     while True:
@@ -120,7 +131,7 @@ def _is_kill_point(phase: Phase, event: Event) -> bool:
     return isinstance(event, SaveStarted) and event.step == phase.kill_at
 
 
-def _kill_one(phase: Phase, processes: list[BaseProcess], sink: EventSink) -> int:
+def _kill_one(phase: Phase, processes: Sequence[BaseProcess], sink: EventSink) -> int:
     rank = len(processes) - 1
     victim = processes[rank]
     assert victim.pid is not None and phase.kill_at is not None
@@ -132,7 +143,7 @@ def _kill_one(phase: Phase, processes: list[BaseProcess], sink: EventSink) -> in
     return rank
 
 
-def _stop(processes: list[BaseProcess], sig: signal.Signals) -> None:
+def _stop(processes: Sequence[BaseProcess], sig: signal.Signals) -> None:
     for process in processes:
         if process.is_alive() and process.pid is not None:
             os.kill(process.pid, sig)
@@ -144,11 +155,11 @@ def _stop(processes: list[BaseProcess], sig: signal.Signals) -> None:
             process.join()
 
 
-def _any_failed(processes: list[BaseProcess]) -> bool:
+def _any_failed(processes: Sequence[BaseProcess]) -> bool:
     return any(p.exitcode not in (None, 0) for p in processes)
 
 
-def _check_exits(phase: Phase, processes: list[BaseProcess], killed: int | None) -> None:
+def _check_exits(phase: Phase, processes: Sequence[BaseProcess], killed: int | None) -> None:
     if phase.kill_at is not None and killed is None:
         raise DemoError(
             f"phase {phase.name!r} ended before the save of step {phase.kill_at}, so no worker "

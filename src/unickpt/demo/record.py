@@ -36,7 +36,9 @@ class PhaseRecord:
     num_parameters: int
     resumed_from: int | None = None
     load_s: float | None = None
+    loaded_digest: str | None = None
     losses: dict[int, float] = field(default_factory=dict)
+    digests: dict[int, str] = field(default_factory=dict)
     saves: dict[int, SaveRecord] = field(default_factory=dict)
     killed: WorkerKilled | None = None
     elapsed_s: float | None = None
@@ -57,6 +59,8 @@ class Recorder:
         record = self.phases[event.phase]
         if isinstance(event, StepDone):
             record.losses[event.step] = event.loss
+            if event.digest is not None:
+                record.digests[event.step] = event.digest
         elif isinstance(event, SaveStarted):
             record.saves[event.step] = SaveRecord(event.step, event.blocking_s)
         elif isinstance(event, SaveDurable):
@@ -64,6 +68,7 @@ class Recorder:
             record.saves[event.step].size_bytes = event.size_bytes
         elif isinstance(event, Loaded):
             record.resumed_from, record.load_s = event.step, event.load_s
+            record.loaded_digest = event.digest
         elif isinstance(event, WorkerKilled):
             record.killed = event
         elif isinstance(event, PhaseFinished):
@@ -72,17 +77,25 @@ class Recorder:
 
 @dataclass(frozen=True)
 class Comparison:
-    """How a phase's per-step losses compare with the reference run's at the same steps.
+    """How one phase compares with the reference run, step by step.
 
-    ``expected`` is ``"bitwise"`` when every phase that trained the loaded state ran at the
-    reference's world size, and ``"tolerance"`` otherwise (floating-point sums then run in
-    another order).
+    ``restored_exactly``: the state after loading has the digest the state had when it was
+    saved (None when the phase started fresh). ``started_as_reference``: the phase started
+    from the reference's state at that step, bit for bit. ``states_as_reference``: at every
+    save step the state equals the reference's (None when the phase reached none).
+    ``expected`` is ``"bitwise"`` when the phase started as the reference and runs at its world
+    size; ``"tolerance"`` otherwise, since sums then may run in another order.
     """
 
     phase: str
     label: str
+    world_size: int
     first_step: int
     last_step: int
+    resumed_from: int | None
+    restored_exactly: bool | None
+    started_as_reference: bool
+    states_as_reference: bool | None
     expected: str
     max_abs_diff: float
     bitwise: bool
@@ -90,35 +103,53 @@ class Comparison:
 
     @property
     def matches(self) -> bool:
-        return self.bitwise if self.expected == "bitwise" else self.max_abs_diff <= self.tolerance
+        if self.restored_exactly is False:
+            return False
+        if self.expected == "bitwise":
+            return self.bitwise and self.states_as_reference is not False
+        return self.max_abs_diff <= self.tolerance
 
 
 def compare_with_reference(
     phases: list[PhaseRecord], reference: PhaseRecord, tolerance: float
 ) -> list[Comparison]:
-    """One comparison per phase after the reference, in order."""
+    """One comparison per phase that ran steps, in order; ``reference`` itself is skipped."""
     comparisons = []
-    lineage_world_sizes: set[int] = set()
+    saved: dict[int, str] = {}  # the digest of each step when it was last saved
     for record in phases:
         if record is reference or not record.losses:
             continue
-        lineage_world_sizes.add(record.world_size)
-        steps = sorted(record.losses)
-        diffs = [abs(record.losses[s] - reference.losses[s]) for s in steps]
-        same_lineage = lineage_world_sizes == {reference.world_size}
-        comparisons.append(
-            Comparison(
-                phase=record.name,
-                label=record.label,
-                first_step=steps[0],
-                last_step=steps[-1],
-                expected="bitwise" if same_lineage else "tolerance",
-                max_abs_diff=max(diffs),
-                bitwise=all(record.losses[s] == reference.losses[s] for s in steps),
-                tolerance=tolerance,
-            )
-        )
+        comparisons.append(_compare(record, reference, saved, tolerance))
+        if record.saves:
+            saved.update({s: d for s, d in record.digests.items() if s in record.saves})
     return comparisons
+
+
+def _compare(
+    record: PhaseRecord, reference: PhaseRecord, saved: dict[int, str], tolerance: float
+) -> Comparison:
+    steps = sorted(record.losses)
+    diffs = [abs(record.losses[s] - reference.losses[s]) for s in steps]
+    start = record.resumed_from
+    restored = None if start is None else record.loaded_digest == saved.get(start)
+    as_reference = start is None or record.loaded_digest == reference.digests.get(start)
+    same_world = record.world_size == reference.world_size
+    states = [record.digests[s] == reference.digests.get(s) for s in record.digests]
+    return Comparison(
+        phase=record.name,
+        label=record.label,
+        world_size=record.world_size,
+        first_step=steps[0],
+        last_step=steps[-1],
+        resumed_from=start,
+        restored_exactly=restored,
+        started_as_reference=as_reference,
+        states_as_reference=all(states) if states else None,
+        expected="bitwise" if as_reference and same_world else "tolerance",
+        max_abs_diff=max(diffs),
+        bitwise=all(record.losses[s] == reference.losses[s] for s in steps),
+        tolerance=tolerance,
+    )
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from unickpt.demo.record import Comparison, DemoResult, PhaseRecord
@@ -72,22 +73,37 @@ def format_verdicts(comparisons: list[Comparison]) -> str:
 
 
 def _verdict(c: Comparison) -> str:
-    head = f"{c.label}, steps {c.first_step}-{c.last_step}:"
-    if c.bitwise:
-        found = "identical to the reference, bit for bit"
-    elif c.max_abs_diff <= c.tolerance:
-        found = (
-            f"matches the reference within {c.max_abs_diff:.1e} "
-            f"(tolerance {c.tolerance:.0e}, float sums in another order)"
-        )
-    else:
-        found = f"DIFFERS from the reference by up to {c.max_abs_diff:.3e}"
     mark = "ok" if c.matches else "MISMATCH"
-    expected = "" if c.matches else f" (expected {c.expected})"
-    return f"[{mark}] {head} {found}{expected}"
+    lines = [f"[{mark}] {c.label}, steps {c.first_step}-{c.last_step}"]
+    if c.restored_exactly is not None:
+        restored = "restored bit for bit" if c.restored_exactly else "DIFFERS from the one saved"
+        lines.append(f"loaded state of step {c.resumed_from}: {restored}")
+    lines.append(f"losses: {_loss_note(c)}")
+    if c.states_as_reference is not None:
+        lines.append(f"state at each save: {_state_note(c)}")
+    return "\n     ".join(lines)
 
 
-def _table(rows: list[tuple[str, ...]]) -> str:
+def _loss_note(c: Comparison) -> str:
+    if c.bitwise:
+        return "identical to the reference, bit for bit"
+    if c.max_abs_diff > c.tolerance:
+        return f"DIFFER from the reference by up to {c.max_abs_diff:.3e}"
+    note = f"within {c.max_abs_diff:.1e} of the reference (tolerance {c.tolerance:.0e})"
+    if c.expected == "bitwise":
+        return note + ", but bit for bit was expected"
+    return note + ", as sums run in another order"
+
+
+def _state_note(c: Comparison) -> str:
+    if c.states_as_reference:
+        return "identical to the reference's, bit for bit"
+    if c.expected == "bitwise":
+        return "DIFFERS from the reference's"
+    return "differs from the reference's in the last bits (another world size)"
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths).rstrip())

@@ -63,7 +63,7 @@ class SaveTracker:
             durable_s = reported if isinstance(reported, float) else time.perf_counter() - start
             size = directory_size(self._checkpointer.path(step))
             result: SaveDurable | BaseException = SaveDurable(self._phase, step, durable_s, size)
-        except BaseException as error:  # handed to the training thread by poll()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the training thread by poll()
             result = error
         with self._lock:
             self._finished.append(result)

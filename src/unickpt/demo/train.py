@@ -13,7 +13,6 @@ a resumed run needs to draw the same next batch and learning rate.
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
@@ -24,6 +23,7 @@ from torch import nn
 import unickpt
 from unickpt.demo.config import DemoConfig, DemoError, Phase
 from unickpt.demo.corpus import encode, generate_text, global_batch, rank_micro_batches
+from unickpt.demo.digest import state_digest
 from unickpt.demo.events import EventSink, Loaded, PhaseFinished, PhaseStarted, StepDone
 from unickpt.demo.model import GPT, count_parameters
 from unickpt.demo.saves import SaveTracker
@@ -32,12 +32,18 @@ from unickpt.demo.saves import SaveTracker
 def run_phase(config: DemoConfig, phase: Phase, sink: EventSink) -> None:
     """Trains one phase on this process; call on every rank, after the process group is up."""
     started = time.perf_counter()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // phase.world_size))
+    # One thread per process: the kernels then reduce in one fixed order, so a step computes
+    # the same bits at every world size (2 threads can pick another order on one process).
+    torch.set_num_threads(1)
     model = build_model(config, phase.world_size)
     optimizer = build_optimizer(model, config)
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "train": {"step": 0}}
     num_parameters = count_parameters(model)
-    sink(PhaseStarted(phase.name, phase.label, phase.world_size, phase.end_step, num_parameters))
+    sink(
+        PhaseStarted(
+            phase.name, phase.label, phase.world_size, phase.end_step, num_parameters, phase.resume
+        )
+    )
     if not phase.checkpoint:
         _train(config, phase, state, 1, None, sink)
     else:
@@ -67,10 +73,12 @@ def _train(
         batches = rank_micro_batches(x, y, config.micro_batches, rank, phase.world_size)
         set_learning_rate(optimizer, learning_rate(step, config))
         loss = train_step(model, optimizer, batches, config.micro_batches, phase.world_size)
-        sink(StepDone(phase.name, step, loss))
+        save_step = step % config.save_every == 0
+        digest = state_digest(model, optimizer) if save_step else None
+        sink(StepDone(phase.name, step, loss, digest))
         if tracker is not None:
             tracker.poll()
-            if step % config.save_every == 0:
+            if save_step:
                 state["train"]["step"] = step
                 tracker.save(step, state)
 
@@ -139,7 +147,7 @@ def _resume(checkpointer: Any, state: dict[str, Any], phase: Phase, sink: EventS
     started = time.perf_counter()
     step = checkpointer.load_latest(state)
     load_s = _max_over_ranks(time.perf_counter() - started, phase.world_size)
-    sink(Loaded(phase.name, step, load_s))
+    sink(Loaded(phase.name, step, load_s, state_digest(state["model"], state["optimizer"])))
     if step is None:
         return 0
     if state["train"]["step"] != step:

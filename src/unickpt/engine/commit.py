@@ -8,6 +8,7 @@ instant leaves either the previous checkpoint or the new one, never a mix.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,9 +28,7 @@ from .checksum import digest
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "LOCK"
-_OURS = re.compile(
-    r"^(metadata-[0-9a-f]+\.json|(data|index)-[0-9a-f]+-\d+\.(bin|json)|\..*\.tmp)$"
-)
+_OURS = re.compile(r"^(metadata-[0-9a-f]+\.json|(data|index)-[0-9a-f]+-\d+\.(bin|json)|\..*\.tmp)$")
 
 
 def metadata_name(save_id: str) -> str:
@@ -100,6 +99,11 @@ def _read_index(storage: Storage, ref: FileRef, file: int) -> list[tuple[str, Ch
 
 
 def _not_found_message(storage: Storage) -> str:
+    if os.path.isfile(storage.location):
+        return (
+            f"{storage.location} is a file, not a unickpt checkpoint (checkpoints are folders "
+            "with a COMMIT file); pass the checkpoint's folder."
+        )
     names = storage.list_names()
     if not names:
         return (

@@ -28,6 +28,7 @@ class SaveFuture:
         self.snapshot_s: float | None = None
         self.durable_s: float | None = None
         self.path: str | None = None
+        self.error_reported = False
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -43,6 +44,7 @@ class SaveFuture:
         if not self._done.wait(timeout_s):
             raise TimeoutError(f"the save did not finish within {timeout_s} s")
         if self._error is not None:
+            self.error_reported = True
             raise self._error
         return self._result
 

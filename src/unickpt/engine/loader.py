@@ -67,7 +67,9 @@ def load(
 
     def place() -> tuple[ReadStats, None]:
         with torch.no_grad():
-            stats = execute_reads(storage, plan.reads, config, config.verify)
+            stats = execute_reads(
+                storage, plan.reads, config, config.verify, plan.meta.segment_bytes
+            )
         _set_values(plan, comm, strict, allow_pickle)
         for adapter, template in sorted(plan.flat.stateful, key=lambda a: a[0].order):
             adapter.load_state_dict(template)

@@ -34,13 +34,20 @@ class ReadStats:
 
 
 def execute_reads(
-    storage: Storage, items: Sequence[ReadItem], config: Config, verify: bool
+    storage: Storage,
+    items: Sequence[ReadItem],
+    config: Config,
+    verify: bool,
+    segment_bytes: int,
 ) -> ReadStats:
-    """Fill every item's destination. Raises CheckpointCorruptError on damage."""
+    """Fill every item's destination. Raises CheckpointCorruptError on damage.
+
+    ``segment_bytes`` is the checksum segment the checkpoint was written with.
+    """
     pieces = [p for item in items for p in _split(item, config.read_piece_bytes)]
     pieces.sort(key=lambda it: (it.file, it.chunk.byte_offset))
     tasks = [t for p in pieces for t in _tasks(p, config.read_piece_bytes)]
-    reader = _Reader(storage, config.segment_bytes, verify)
+    reader = _Reader(storage, segment_bytes, verify)
     if len(tasks) <= 1 or config.io_threads == 1:
         read = sum(reader.run(*t) for t in tasks)
     else:

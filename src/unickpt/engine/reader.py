@@ -61,7 +61,9 @@ class CheckpointReader:
             out = torch.empty(box.lengths, dtype=dtype_from_name(meta.dtype))
         if box.numel:
             items = plan_reads(key, meta, self.metadata.files, [(box, out)])
-            stats: ReadStats = execute_reads(self.storage, items, self.config, self.verify)
+            stats: ReadStats = execute_reads(
+                self.storage, items, self.config, self.verify, self.metadata.segment_bytes
+            )
             self.bytes_read += stats.bytes_read
         return out
 

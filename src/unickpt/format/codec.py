@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointVersionError
+from .dtypes import dtype_from_name, itemsize
 from .metadata import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -77,6 +78,9 @@ def decode_metadata(raw: bytes, source: str) -> Metadata:
             )
             for k, v in doc["tensors"].items()
         }
+        segment = int(doc["segment_bytes"])
+        if segment <= 0 or segment % 16:
+            raise ValueError(f"segment_bytes is {segment}, expected a positive multiple of 16")
         return Metadata(
             world_size=int(doc["world_size"]),
             files=tuple(r.data for r in refs),
@@ -128,6 +132,8 @@ def decode_index(raw: bytes, source: str, file: int) -> list[tuple[str, ChunkMet
             )
             if chunk.byte_offset < 0 or chunk.nbytes < 0:
                 raise ValueError(f"chunk of '{key}' at offset {chunk.byte_offset}")
+            if len(chunk.offsets) != len(chunk.lengths):
+                raise ValueError(f"chunk of '{key}' has {len(chunk.offsets)} offsets")
             out.append((str(key), chunk))
         return out
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -140,6 +146,7 @@ def decode_index(raw: bytes, source: str, file: int) -> list[tuple[str, ChunkMet
 def assemble(meta: Metadata, indexes: Sequence[list[tuple[str, ChunkMeta]]]) -> Metadata:
     """The metadata with every tensor's chunks, from the global file and the file indexes."""
     chunks: dict[str, list[ChunkMeta]] = {k: [] for k in meta.tensors}
+    sizes = {k: itemsize(dtype_from_name(t.dtype)) for k, t in meta.tensors.items()}
     for entries in indexes:
         for key, chunk in entries:
             target = chunks.get(key)
@@ -148,6 +155,14 @@ def assemble(meta: Metadata, indexes: Sequence[list[tuple[str, ChunkMeta]]]) -> 
                 raise CheckpointCorruptError(
                     f"an index lists a chunk of '{key}' at {list(chunk.offsets)} that the "
                     "metadata does not describe; the checkpoint is damaged."
+                )
+            expected = chunk.box.numel * sizes[key]
+            segments = max(1, -(-expected // meta.segment_bytes))
+            if chunk.nbytes != expected or (chunk.checksums and len(chunk.checksums) != segments):
+                raise CheckpointCorruptError(
+                    f"an index gives the chunk of '{key}' at {list(chunk.offsets)} {chunk.nbytes} "
+                    f"bytes and {len(chunk.checksums)} checksums; its box and dtype need "
+                    f"{expected} bytes and {segments} checksums. The checkpoint is damaged."
                 )
             target.append(chunk)
     tensors = {

@@ -15,6 +15,7 @@ a one-key object whose key names the type:
 from __future__ import annotations
 
 import base64
+import binascii
 import math
 import pickle
 from typing import Any
@@ -44,7 +45,15 @@ def encode_value(value: Any, key: str, allow_pickle: bool) -> Any:
         data = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
         return {"$tensor": {**data, "data": base64.b64encode(raw).decode("ascii")}}
     if allow_pickle:
-        return {"$pickle": base64.b64encode(pickle.dumps(value)).decode("ascii")}
+        try:
+            raw = pickle.dumps(value)
+        except Exception as e:
+            raise UnsafeObjectError(
+                f"'{key}' holds a {type(value).__qualname__} that pickle cannot store "
+                f"({type(e).__name__}: {e}); give it state_dict()/load_state_dict(), or leave it "
+                "out of the checkpoint."
+            ) from e
+        return {"$pickle": base64.b64encode(raw).decode("ascii")}
     raise UnsafeObjectError(
         f"'{key}' holds a {type(value).__module__}.{type(value).__qualname__}, which unickpt "
         "cannot store without pickle (it stores None, bool, int, float, str, bytes, lists, "
@@ -80,7 +89,7 @@ def decode_value(encoded: Any, key: str, allow_pickle: bool) -> Any:
             f"value of '{key}' has unknown tag {tag!r}; expected one of {sorted(_DECODERS)}. "
             "Upgrade unickpt if the checkpoint comes from a newer version."
         ) from None
-    except (ValueError, TypeError, base64.binascii.Error) as e:  # type: ignore[attr-defined]
+    except (ValueError, TypeError, AttributeError, RuntimeError, binascii.Error) as e:
         raise CheckpointCorruptError(f"value of '{key}' cannot be decoded: {e}") from e
 
 

@@ -142,7 +142,7 @@ def _filled_in_place(module: nn.Module, loaded: dict[str, Any]) -> bool:
 
 def _storage_ptr(t: torch.Tensor) -> tuple[int, int]:
     local = t.to_local() if hasattr(t, "to_local") else t
-    return local.untyped_storage().data_ptr(), local.storage_offset()
+    return int(local.untyped_storage().data_ptr()), int(local.storage_offset())
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:

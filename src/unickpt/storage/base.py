@@ -20,7 +20,7 @@ _NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
 
 def check_name(name: str) -> str:
     """Refuse names that could escape the checkpoint folder (``..``, ``/``, absolute paths)."""
-    if not _NAME.match(name) or ".." in name or name == ".":
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name or name == ".":
         raise CheckpointCorruptError(
             f"file name {name!r} in the checkpoint is not a plain file name (letters, digits, "
             "'.', '_', '-'); a checkpoint never points outside its folder. It is damaged or "

@@ -23,7 +23,8 @@ def _os_error(e: OSError, what: str) -> CheckpointError:
         hint = "the folder is not writable: fix its permissions or save elsewhere."
     else:
         hint = "check the path and the file system."
-    return CheckpointError(f"{what} failed: {e.strerror or e} ({e.filename or ''}); {hint}")
+    where = f" ({e.filename})" if e.filename else ""
+    return CheckpointError(f"{what} failed: {e.strerror or e}{where}; {hint}")
 
 
 def fsync_dir(path: Path) -> None:
@@ -140,15 +141,13 @@ class LocalStorage(Storage):
     def read_bytes(self, name: str) -> bytes | None:
         try:
             return self._path(name).read_bytes()
-        except FileNotFoundError:
-            return None
-        except IsADirectoryError:
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None
 
     def list_names(self) -> list[str]:
         try:
             return sorted(p.name for p in self.root.iterdir())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
 
     def remove(self, name: str) -> None:

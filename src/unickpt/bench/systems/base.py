@@ -56,5 +56,5 @@ class CheckpointSystem(ABC):
         """Load ``path`` into ``state`` whose layout differs from the saved one."""
         self.load(path, state)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - most systems hold nothing
         """Release what the system holds (threads, staging buffers, shared memory)."""

@@ -22,12 +22,14 @@ from unickpt.bench.systems.base import CheckpointSystem, SaveHandle
 from unickpt.bench.systems.registry import SystemInfo
 
 
-def _sharded_state(state: TrainState) -> dict[str, Any]:
+def sharded_state_dict(state: TrainState) -> dict[str, Any]:
     model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-def _apply(state: TrainState, loaded: dict[str, Any], options: StateDictOptions | None) -> None:
+def apply_state_dict(
+    state: TrainState, loaded: dict[str, Any], options: StateDictOptions | None
+) -> None:
     # Model and optimizer separately: with broadcast_from_rank0 the other ranks pass empty
     # dicts, which set_state_dict would take as "optimizer only".
     set_model_state_dict(state.model, loaded["model"], options=options)
@@ -53,13 +55,13 @@ class DcpSystem(CheckpointSystem):
     notes = "FileSystemWriter fsyncs each file; load and reshard via get/set_state_dict"
 
     def save(self, path: Path, state: TrainState) -> SaveHandle:
-        dcp.save(_sharded_state(state), checkpoint_id=str(path))
+        dcp.save(sharded_state_dict(state), checkpoint_id=str(path))
         return SaveHandle()
 
     def load(self, path: Path, state: TrainState) -> None:
-        target = _sharded_state(state)
+        target = sharded_state_dict(state)
         dcp.load(target, checkpoint_id=str(path))
-        _apply(state, target, None)
+        apply_state_dict(state, target, None)
 
 
 class DcpAsyncThreadSystem(DcpSystem):
@@ -76,7 +78,7 @@ class DcpAsyncThreadSystem(DcpSystem):
 
     def save(self, path: Path, state: TrainState) -> SaveHandle:
         future = dcp.async_save(
-            _sharded_state(state), checkpoint_id=str(path), process_group=self._group
+            sharded_state_dict(state), checkpoint_id=str(path), process_group=self._group
         )
         return _FutureHandle(future)
 
@@ -109,7 +111,7 @@ class DcpAsyncProcessSystem(DcpAsyncThreadSystem):
         )
 
         result = dcp.async_save(
-            _sharded_state(state),
+            sharded_state_dict(state),
             checkpoint_id=str(path),
             process_group=self._group,
             async_checkpointer_type=AsyncCheckpointerType.PROCESS,
@@ -148,7 +150,7 @@ class TorchSaveSystem(CheckpointSystem):
         if dist.get_rank() == 0:
             loaded = torch.load(path / self._FILE, map_location="cpu", weights_only=True)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        _apply(state, loaded, options)
+        apply_state_dict(state, loaded, options)
 
 
 def _save_durably(obj: object, file: Path) -> None:

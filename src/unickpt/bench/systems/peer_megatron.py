@@ -1,0 +1,80 @@
+"""Megatron-Core 0.16.1 ``dist_checkpointing`` (torch_dist backend). Runs in the peers environment.
+
+Each FSDP2 shard becomes a ``ShardedTensor`` on a regular grid (``from_rank_offsets``), the
+optimizer's moments alike; the replicated ``step`` is saved by rank 0 only (``replica_id``).
+Saving calls ``torch.cuda.synchronize()`` and ``torch.cuda.current_device()``; without CUDA
+those two are replaced for the run by a no-op and ``"cpu"``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+
+from unickpt.bench.model import TrainState
+from unickpt.bench.systems.base import CheckpointSystem, SaveHandle
+from unickpt.bench.systems.registry import SystemInfo
+
+
+def _shim_cuda() -> None:
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _sharded(key: str, tensor: torch.Tensor, like: torch.Tensor) -> ShardedTensor:
+    """A ShardedTensor for ``tensor``, split like the DTensor ``like`` (Shard(d) over ranks)."""
+    placements = getattr(like, "placements", None)
+    local = _local(tensor)
+    if placements is None or local.dim() == 0:
+        replica = 0 if dist.get_rank() == 0 else 1
+        return ShardedTensor.from_rank_offsets(key, local.view(1), replica_id=replica)
+    dim = placements[0].dim
+    return ShardedTensor.from_rank_offsets(
+        key, local, (dim, dist.get_rank(), dist.get_world_size())
+    )
+
+
+def sharded_state_dict(state: TrainState) -> dict[str, ShardedTensor]:
+    out: dict[str, ShardedTensor] = {}
+    for name, param in state.model.named_parameters():
+        out[f"model.{name}"] = _sharded(f"model.{name}", param, param)
+        for key, value in state.optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor):
+                full_key = f"optimizer.{name}.{key}"
+                out[full_key] = _sharded(full_key, value, param)
+    return out
+
+
+class MegatronSystem(CheckpointSystem):
+    notes = "dist_checkpointing torch_dist, synchronous; CUDA calls shimmed for CPU"
+
+    def __init__(self, info: SystemInfo) -> None:
+        super().__init__(info)
+        _shim_cuda()
+
+    def save(self, path: Path, state: TrainState) -> SaveHandle:
+        if dist.get_rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(sharded_state_dict(state), str(path))
+        return SaveHandle()
+
+    def load(self, path: Path, state: TrainState) -> None:
+        targets = sharded_state_dict(state)
+        loaded: dict[str, Any] = dist_checkpointing.load(targets, str(path))
+        with torch.no_grad():
+            for key, target in targets.items():
+                value = loaded[key]
+                if value.data_ptr() != target.data.data_ptr():
+                    target.data.copy_(value)

@@ -1,0 +1,299 @@
+"""Bad input, one case at a time: a clear error, and nothing valid lost.
+
+Each case checks the error's class and the words of its message that tell the user what was
+found and what to do, then that the state and the checkpoint are as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import unickpt
+from tests.integrity._helpers import (
+    debris,
+    metadata_path,
+    read_metadata,
+    read_only_view,
+    repin,
+    same_tensor,
+    small_tmpfs,
+    tmp_files,
+)
+from tests.integrity._procs import SaverServer, wait_for_line
+from tests.integrity._saver_script import build_state, check_step, set_step
+
+
+def _model_state(fill: float = 1.0) -> dict[str, Any]:
+    return {
+        "model": {"w": torch.full((4, 3), fill), "b": torch.arange(5) + int(fill)},
+        "step": int(fill),
+    }
+
+
+def _blank() -> dict[str, Any]:
+    return {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(5, dtype=torch.int64)}, "step": -1}
+
+
+def _holds(state: dict[str, Any], fill: float) -> bool:
+    want = _model_state(fill)
+    return (
+        same_tensor(state["model"]["w"], want["model"]["w"])
+        and same_tensor(state["model"]["b"], want["model"]["b"])
+        and state["step"] == want["step"]
+    )
+
+
+def _loads(path: Path, fill: float) -> bool:
+    state = _blank()
+    unickpt.load(path, state)
+    return _holds(state, fill)
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    unickpt.save(path, _model_state(1.0))
+    return path
+
+
+def test_missing_key(saved: Path) -> None:
+    state = _blank()
+    state["model"]["extra"] = torch.full((2,), 7.0)
+    with pytest.raises(unickpt.CheckpointMismatchError) as info:
+        unickpt.load(saved, state)
+    message = str(info.value)
+    assert "the state has keys the checkpoint lacks: 'model.extra'" in message
+    assert "strict=False" in message
+    assert same_tensor(state["model"]["w"], torch.zeros(4, 3)), "a refused load changed the state"
+    assert state["step"] == -1
+
+    with pytest.warns(UserWarning, match=r"keep their current values: 'model.extra'"):
+        report = unickpt.load(saved, state, strict=False)
+    assert report.skipped_keys == ("model.extra",)
+    assert same_tensor(state["model"]["extra"], torch.full((2,), 7.0))
+    assert same_tensor(state["model"]["w"], torch.full((4, 3), 1.0)) and state["step"] == 1
+
+
+def test_unexpected_key_and_partial_load(saved: Path) -> None:
+    state = {"model": {"w": torch.zeros(4, 3)}, "step": -1}
+    with pytest.raises(unickpt.CheckpointMismatchError) as info:
+        unickpt.load(saved, state)
+    assert "the checkpoint has keys the state lacks: 'model.b'" in str(info.value)
+    assert "strict=False" in str(info.value)
+    assert same_tensor(state["model"]["w"], torch.zeros(4, 3)) and state["step"] == -1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        unickpt.load(saved, state, strict=False)
+    assert same_tensor(state["model"]["w"], torch.full((4, 3), 1.0)) and state["step"] == 1
+    assert _loads(saved, 1.0)
+
+
+def test_shape_mismatch(saved: Path) -> None:
+    state = _blank()
+    state["model"]["w"] = torch.zeros(4, 4)
+    with pytest.raises(unickpt.CheckpointMismatchError) as info:
+        unickpt.load(saved, state)
+    message = str(info.value)
+    assert "'model.w' has global shape [4, 3] in the checkpoint but [4, 4] in the state" in message
+    assert same_tensor(state["model"]["b"], torch.zeros(5, dtype=torch.int64))
+    assert _loads(saved, 1.0)
+
+
+def test_dtype_mismatch(saved: Path) -> None:
+    state = _blank()
+    state["model"]["w"] = torch.zeros(4, 3, dtype=torch.float64)
+    with pytest.raises(unickpt.CheckpointMismatchError) as info:
+        unickpt.load(saved, state)
+    message = str(info.value)
+    assert "'model.w' is float32 in the checkpoint but float64 in the state" in message
+    assert "dtype float32" in message
+    assert same_tensor(state["model"]["w"], torch.zeros(4, 3, dtype=torch.float64))
+
+
+def test_tensor_where_a_value_was_saved(saved: Path) -> None:
+    state = _blank()
+    state["step"] = torch.zeros(())
+    with pytest.raises(unickpt.CheckpointMismatchError, match="'step' is a tensor in the state"):
+        unickpt.load(saved, state)
+
+
+def test_path_that_does_not_exist(tmp_path: Path) -> None:
+    path = tmp_path / "no" / "such" / "ckpt"
+    with pytest.raises(unickpt.CheckpointNotFoundError) as info:
+        unickpt.load(path, _blank())
+    assert f"no checkpoint at {path}" in str(info.value)
+    assert "Check the path" in str(info.value)
+    assert not path.exists() and not path.parent.exists(), "a load created folders"
+
+
+def test_folder_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(unickpt.CheckpointNotFoundError) as info:
+        unickpt.load(tmp_path, _blank())
+    assert "is not a unickpt checkpoint" in str(info.value)
+    assert "notes.txt" in str(info.value) and "COMMIT" in str(info.value)
+    assert (tmp_path / "notes.txt").read_text() == "hello"
+
+
+def test_folder_with_an_unfinished_save(saved: Path) -> None:
+    (saved / "COMMIT").unlink()
+    with pytest.raises(unickpt.CheckpointNotFoundError) as info:
+        unickpt.load(saved, _blank())
+    assert "incomplete save" in str(info.value) and "did not finish" in str(info.value)
+
+
+def test_path_that_is_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"not a folder")
+    with pytest.raises(unickpt.CheckpointNotFoundError, match=r"model\.pt"):
+        unickpt.load(path, _blank())
+
+
+@pytest.mark.parametrize("where", ["both", "commit", "metadata", "index"])
+def test_newer_format_version(saved: Path, where: str) -> None:
+    if where in ("both", "metadata"):
+        doc = read_metadata(saved)
+        doc["version"] = 99
+        metadata_path(saved).write_bytes(json.dumps(doc).encode())
+    if where == "index":
+        index = saved / read_metadata(saved)["files"][0]["index"]
+        doc = json.loads(index.read_bytes())
+        doc["version"] = 99
+        index.write_bytes(json.dumps(doc).encode())
+    repin(saved, {"version": 99} if where in ("both", "commit") else None)
+    with pytest.raises(unickpt.CheckpointVersionError) as info:
+        unickpt.load(saved, _blank())
+    message = str(info.value)
+    assert "format version 99" in message and "reads versions up to 1" in message
+    assert "Upgrade unickpt" in message
+
+
+def test_save_onto_a_committed_checkpoint(saved: Path) -> None:
+    before = {p.name: p.read_bytes() for p in saved.iterdir()}
+    with pytest.raises(unickpt.CheckpointExistsError) as info:
+        unickpt.save(saved, _model_state(2.0))
+    message = str(info.value)
+    assert "already holds a committed checkpoint" in message and "overwrite=True" in message
+    assert {p.name: p.read_bytes() for p in saved.iterdir() if p.name != "LOCK"} == {
+        k: v for k, v in before.items() if k != "LOCK"
+    }
+    assert _loads(saved, 1.0)
+
+    unickpt.save(saved, _model_state(2.0), overwrite=True)
+    assert _loads(saved, 2.0)
+    assert debris(saved) == [] and tmp_files(saved) == []
+
+
+def test_old_checkpoint_survives_a_killed_overwrite(
+    tmp_path: Path, saver_server: SaverServer
+) -> None:
+    """Overwrites killed at a few instants (test_crash.py does it at random, many times)."""
+    path = tmp_path / "ckpt"
+    state = build_state()
+    set_step(state, 1)
+    unickpt.save(path, state)
+    outcomes = []
+    for i, delay_s in enumerate((0.0, 0.01, 0.04, 0.1)):
+        report = tmp_path / f"report-{i}.txt"
+        pid = saver_server.start("single", path, report, 100 * (i + 1), 0)
+        time.sleep(delay_s)
+        assert saver_server.kill(pid)["signal"] == signal.SIGKILL
+        set_step(state, -7)
+        unickpt.load(path, state)
+        step, wrong = check_step(state)
+        assert wrong == []
+        assert step == 1 or step >= 100 * (i + 1)
+        outcomes.append(step)
+        set_step(state, 1)
+        unickpt.save(path, state, overwrite=True)
+    print(f"killed overwrites loaded steps {outcomes} (1 is the old checkpoint)")
+
+
+def test_two_checkpointers_on_one_root(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    first = unickpt.Checkpointer(root)
+    try:
+        with pytest.raises(unickpt.CheckpointLockedError) as info:
+            unickpt.Checkpointer(root)
+        message = str(info.value)
+        assert f"is being written by pid {os.getpid()}" in message
+        assert "two jobs must not save into the same place" in message
+        first.save(1, _model_state(1.0)).wait()
+    finally:
+        first.close()
+    with unickpt.Checkpointer(root) as second:
+        state = _blank()
+        assert second.load_latest(state) == 1 and _holds(state, 1.0)
+
+
+def test_two_processes_on_one_root(tmp_path: Path, saver_server: SaverServer) -> None:
+    root = tmp_path / "run"
+    report = tmp_path / "report.txt"
+    pid = saver_server.start("hold", root, report, 0, 0)
+    try:
+        wait_for_line(report, "locked", timeout_s=30)
+        with pytest.raises(unickpt.CheckpointLockedError, match=f"pid {pid} "):
+            unickpt.Checkpointer(root)
+    finally:
+        assert saver_server.kill(pid)["signal"] == 9
+    with unickpt.Checkpointer(root) as ckpt:  # the lock died with its holder
+        ckpt.save(3, _model_state(3.0)).wait()
+        assert ckpt.steps() == [3]
+
+
+def _big_state(mib: int) -> dict[str, Any]:
+    return {"model": {"w": torch.ones(mib, 1 << 18), "b": torch.arange(5)}, "step": 2}
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_disk_full_in_the_middle_of_a_save(tmp_path: Path, async_save: bool) -> None:
+    with small_tmpfs(tmp_path / "disk", "2m") as disk:
+        root = disk / "run"
+        with unickpt.Checkpointer(root, async_save=async_save) as ckpt:
+            ckpt.save(1, _model_state(1.0)).wait()
+            with pytest.raises(unickpt.CheckpointError) as info:
+                ckpt.save(2, _big_state(3))
+                ckpt.wait()
+            message = str(info.value)
+            assert "the disk is full" in message and "No space left on device" in message
+            assert ckpt.steps() == [1]
+            state = _blank()
+            assert ckpt.load_latest(state) == 1 and _holds(state, 1.0)
+            ckpt.save(3, _model_state(3.0)).wait()  # the unfinished step 2 is cleared away
+        names = sorted(p.name for p in root.iterdir())
+        assert names == ["LOCK", "step-000000001", "step-000000003"]
+        assert tmp_files(root) == []
+
+
+def test_disk_full_while_overwriting_keeps_the_old(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "disk", "2m") as disk:
+        path = disk / "ckpt"
+        unickpt.save(path, _model_state(1.0))
+        with pytest.raises(unickpt.CheckpointError, match="the disk is full"):
+            unickpt.save(path, _big_state(3), overwrite=True)
+        assert _loads(path, 1.0)
+        unickpt.save(path, _model_state(2.0), overwrite=True)
+        assert _loads(path, 2.0) and debris(path) == [] and tmp_files(path) == []
+
+
+def test_read_only_folder(saved: Path, tmp_path: Path) -> None:
+    with read_only_view(saved.parent, tmp_path / "ro") as view:
+        ro = view / saved.name
+        assert _loads(ro, 1.0), "a read-only checkpoint must load"
+        with pytest.raises(unickpt.CheckpointError) as info:
+            unickpt.save(view / "new", _model_state(2.0))
+        assert "not writable" in str(info.value) and "Read-only file system" in str(info.value)
+        with pytest.raises(unickpt.CheckpointError, match="not writable"):
+            unickpt.save(ro, _model_state(2.0), overwrite=True)
+        assert _loads(ro, 1.0)
+    assert _loads(saved, 1.0)

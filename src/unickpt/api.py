@@ -209,7 +209,11 @@ def load(
 
     Tensors in ``state`` are filled, other leaves replaced, stateful objects (modules,
     optimizers, schedulers, anything with ``load_state_dict``) get their loaded state.
-    ``strict=False`` loads the keys both have; ``verify=False`` skips checksums.
+    ``strict=True`` (the default) requires every key of ``state`` in the checkpoint and, under
+    each top-level key of ``state``, no extra saved key: loading ``{"model": model}`` from a
+    checkpoint that also holds an optimizer is fine, a missing or unknown weight is not.
+    ``strict=False`` loads the keys both have and warns about the others. ``verify=False``
+    skips checksum verification.
     """
     wait_pending()
     cfg = config or get_config()

@@ -23,6 +23,7 @@ from unickpt.bench import (
     to_markdown,
     write_outputs,
 )
+from unickpt.bench.report import replace_results
 from unickpt.bench.systems.registry import SYSTEM_INFOS
 
 _DEFAULT_PEERS_PYTHON = Path(".venv-peers/bin/python")
@@ -84,6 +85,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--system-timeout", type=float, default=900.0, help="seconds before a system counts as hung"
     )
+    parser.add_argument(
+        "--doc",
+        type=Path,
+        default=None,
+        help="also put the table into this markdown file's results block (docs/benchmarks.md)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -92,6 +99,16 @@ def _peers_python(arg: str | None) -> str | None:
     if candidate:
         return candidate
     return str(_DEFAULT_PEERS_PYTHON) if _DEFAULT_PEERS_PYTHON.exists() else None
+
+
+def _update_doc(doc: Path, markdown: str, chart: Path | None) -> None:
+    """Replace the results block of ``doc``; the chart is copied beside it (``<doc>.png``)."""
+    image = None
+    if chart is not None:
+        target = doc.with_suffix(".png")
+        shutil.copyfile(chart, target)
+        image = target.name
+    doc.write_text(replace_results(doc.read_text(), markdown, image))
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -127,7 +144,10 @@ def run(args: argparse.Namespace) -> int:
         if cleanup:
             shutil.rmtree(config.workdir, ignore_errors=True)
     paths = write_outputs(report, config.out)
-    print(to_markdown(report))
+    markdown = to_markdown(report)
+    if args.doc is not None:
+        _update_doc(args.doc, markdown, paths.get("png"))
+    print(markdown)
     for kind, path in paths.items():
         print(f"{kind}: {path}")
     return 0

@@ -12,7 +12,7 @@ import logging
 import math
 from typing import Any
 
-from unickpt.demo.config import DemoConfig
+from unickpt.demo.config import DemoConfig, processes_label
 from unickpt.demo.record import Comparison, PhaseRecord
 
 logger = logging.getLogger(__name__)
@@ -64,8 +64,8 @@ def _draw_phase(axes: Any, record: PhaseRecord, color: str) -> None:
     steps = sorted(record.losses)
     losses = [record.losses[s] for s in steps]
     axes.plot(steps, losses, color=color, linewidth=1.4, label=record.label)
-    durable = [s for s, save in record.saves.items() if save.durable_s is not None]
-    lost = [s for s, save in record.saves.items() if save.durable_s is None]
+    durable = [s for s, save in record.saves.items() if save.committed]
+    lost = [s for s, save in record.saves.items() if not save.committed]
     axes.scatter(
         durable, [record.losses[s] for s in durable], marker="v", s=36, color=color, zorder=3
     )
@@ -81,7 +81,7 @@ def _draw_phase(axes: Any, record: PhaseRecord, color: str) -> None:
     if record.resumed_from is not None:
         axes.axvline(record.resumed_from, color=color, linestyle=":", linewidth=1.2)
         axes.annotate(
-            f"resumed from step {record.resumed_from}\non {_processes(record.world_size)}",
+            f"resumed from step {record.resumed_from}\non {processes_label(record.world_size)}",
             (record.resumed_from, 1.0),
             xycoords=("data", "axes fraction"),
             xytext=(4, -4),
@@ -144,7 +144,3 @@ def _style(
     bottom.set_title("distance from the reference at each step (0: bit for bit)", fontsize=9)
     bottom.set_xlabel("step")
     bottom.grid(alpha=0.3)
-
-
-def _processes(world_size: int) -> str:
-    return "1 process" if world_size == 1 else f"{world_size} processes"

@@ -47,10 +47,10 @@ class DemoConfig:
     loss_tolerance: float = 1e-3
 
     def __post_init__(self) -> None:
-        if self.save_every < 1 or self.steps < 3 * self.save_every:
+        if self.save_every < 1 or self.steps < 4 * self.save_every:
             raise DemoError(
                 f"steps={self.steps} with save_every={self.save_every} leaves too few saves; "
-                "use at least three saves per run (steps >= 3 * save_every)"
+                "use at least four saves per run (steps >= 4 * save_every)"
             )
         for name, value in (("kill_at", self.kill_step), ("regrow_at", self.regrow_step)):
             if value % self.save_every:
@@ -79,7 +79,7 @@ class DemoConfig:
         """The step after whose save a worker is killed."""
         if self.kill_at is not None:
             return self.kill_at
-        return max(self.save_every, _round_to(self.steps * 0.4, self.save_every))
+        return max(2 * self.save_every, _round_to(self.steps * 0.4, self.save_every))
 
     @property
     def regrow_step(self) -> int:
@@ -113,13 +113,18 @@ class Phase:
 
 def plan_phases(config: DemoConfig) -> list[Phase]:
     """The reference run, then the run that is killed, shrunk to one process, and regrown."""
-    ws = config.world_size
+    ws, many = config.world_size, processes_label(config.world_size)
     return [
-        Phase("reference", f"reference, {ws} processes", ws, config.steps, False, False),
-        Phase("train", f"train, {ws} processes", ws, config.steps, True, False, config.kill_step),
-        Phase("resume-1", "resume, 1 process", 1, config.regrow_step, True, True),
-        Phase(f"resume-{ws}", f"resume, {ws} processes", ws, config.steps, True, True),
+        Phase("reference", f"reference, {many}", ws, config.steps, False, False),
+        Phase("train", f"train, {many}", ws, config.steps, True, False, config.kill_step),
+        Phase("resume-1", f"resume, {processes_label(1)}", 1, config.regrow_step, True, True),
+        Phase(f"resume-{ws}", f"resume, {many}", ws, config.steps, True, True),
     ]
+
+
+def processes_label(world_size: int) -> str:
+    """``"1 process"``, ``"2 processes"``."""
+    return "1 process" if world_size == 1 else f"{world_size} processes"
 
 
 def _round_to(value: float, multiple: int) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unickpt.demo.config import DemoConfig, DemoError, Phase
+from unickpt.demo.config import DemoConfig, DemoError, Phase, processes_label
 from unickpt.demo.events import Event, EventSink, SaveStarted, WorkerKilled, discard
 from unickpt.demo.train import run_phase
 
@@ -75,9 +75,14 @@ def run_under_torchrun(config: DemoConfig, sink: EventSink) -> int:
     Returns this process's rank.
     """
     world_size = int(os.environ["WORLD_SIZE"])
+    if config.micro_batches % world_size:
+        raise DemoError(
+            f"torchrun started {world_size} processes, but the global batch is split into "
+            f"{config.micro_batches} micro-batches; use --nproc-per-node 1 or 2"
+        )
     phase = Phase(
         "torchrun",
-        f"train, {world_size} processes",
+        f"train, {processes_label(world_size)}",
         world_size,
         config.steps,
         checkpoint=True,
@@ -165,11 +170,9 @@ def _check_exits(phase: Phase, processes: Sequence[BaseProcess], killed: int | N
             f"phase {phase.name!r} ended before the save of step {phase.kill_at}, so no worker "
             "was killed; see the errors above"
         )
-    failed = [
-        (rank, p.exitcode)
-        for rank, p in enumerate(processes)
-        if killed is None and p.exitcode not in (None, 0)
-    ]
+    if killed is not None:
+        return
+    failed = [(rank, p.exitcode) for rank, p in enumerate(processes) if p.exitcode not in (None, 0)]
     if failed:
         rank, code = failed[0]
         raise DemoError(

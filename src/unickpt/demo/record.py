@@ -19,10 +19,14 @@ from unickpt.demo.events import (
 
 @dataclass
 class SaveRecord:
+    """One save; ``committed`` is also set when its phase died before reporting it, but a
+    later phase loaded it (``durable_s`` then stays None)."""
+
     step: int
     blocking_s: float
     durable_s: float | None = None
     size_bytes: int | None = None
+    committed: bool = False
 
 
 @dataclass
@@ -64,25 +68,38 @@ class Recorder:
         elif isinstance(event, SaveStarted):
             record.saves[event.step] = SaveRecord(event.step, event.blocking_s)
         elif isinstance(event, SaveDurable):
-            record.saves[event.step].durable_s = event.durable_s
-            record.saves[event.step].size_bytes = event.size_bytes
+            save = record.saves[event.step]
+            save.durable_s, save.size_bytes, save.committed = (
+                event.durable_s,
+                event.size_bytes,
+                True,
+            )
         elif isinstance(event, Loaded):
             record.resumed_from, record.load_s = event.step, event.load_s
             record.loaded_digest = event.digest
+            self._mark_committed(event.step)
         elif isinstance(event, WorkerKilled):
             record.killed = event
         elif isinstance(event, PhaseFinished):
             record.elapsed_s = event.elapsed_s
+
+    def _mark_committed(self, step: int | None) -> None:
+        """The newest earlier save of ``step`` is the one that was loaded."""
+        for record in reversed(list(self.phases.values())):
+            if step in record.saves:
+                record.saves[step].committed = True
+                return
 
 
 @dataclass(frozen=True)
 class Comparison:
     """How one phase compares with the reference run, step by step.
 
-    ``restored_exactly``: the state after loading has the digest the state had when it was
-    saved (None when the phase started fresh). ``started_as_reference``: the phase started
-    from the reference's state at that step, bit for bit. ``states_as_reference``: at every
-    save step the state equals the reference's (None when the phase reached none).
+    ``resumed``: the phase looked for a checkpoint (``resumed_from`` is None when none was
+    committed yet). ``restored_exactly``: the state after loading has the digest the state had
+    when it was saved (None when nothing was loaded). ``started_as_reference``: the phase
+    started from the reference's state at that step, bit for bit. ``states_as_reference``: at
+    every save step the state equals the reference's (None when the phase reached none).
     ``expected`` is ``"bitwise"`` when the phase started as the reference and runs at its world
     size; ``"tolerance"`` otherwise, since sums then may run in another order.
     """
@@ -92,6 +109,7 @@ class Comparison:
     world_size: int
     first_step: int
     last_step: int
+    resumed: bool
     resumed_from: int | None
     restored_exactly: bool | None
     started_as_reference: bool
@@ -141,6 +159,7 @@ def _compare(
         world_size=record.world_size,
         first_step=steps[0],
         last_step=steps[-1],
+        resumed=record.load_s is not None,
         resumed_from=start,
         restored_exactly=restored,
         started_as_reference=as_reference,

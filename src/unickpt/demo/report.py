@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from unickpt.demo.record import Comparison, DemoResult, PhaseRecord
+from unickpt.demo.record import Comparison, DemoResult, PhaseRecord, SaveRecord
 
 SUMMARY_VERSION = 1
 
@@ -21,6 +21,8 @@ def write_summary(result: DemoResult) -> None:
         "elapsed_s": result.elapsed_s,
         "chart": result.chart_path,
         "config": dataclasses.asdict(result.config),
+        "kill_step": result.config.kill_step,
+        "regrow_step": result.config.regrow_step,
         "phases": [_phase_json(p) for p in result.phases],
         "comparisons": [
             {**dataclasses.asdict(c), "matches": c.matches} for c in result.comparisons
@@ -55,7 +57,7 @@ def format_saves(phases: list[PhaseRecord]) -> str:
     rows = [("phase", "step", "training stall", "time to durable", "size")]
     for p in phases:
         for save in sorted(p.saves.values(), key=lambda s: s.step):
-            durable = "lost in the crash" if save.durable_s is None else _ms(save.durable_s)
+            durable = _ms(save.durable_s) if save.durable_s is not None else _untimed(save)
             rows.append(
                 (
                     p.label,
@@ -65,7 +67,28 @@ def format_saves(phases: list[PhaseRecord]) -> str:
                     _megabytes(save.size_bytes),
                 )
             )
-    return _table(rows)
+    return _table(rows) + "\n" + _save_totals(phases)
+
+
+def _save_totals(phases: list[PhaseRecord]) -> str:
+    saves = [save for p in phases for save in p.saves.values()]
+    if not saves:
+        return "no saves"
+    stalls = [s.blocking_s for s in saves]
+    durables = [s.durable_s for s in saves if s.durable_s is not None]
+    count = f"{len(saves)} save{'' if len(saves) == 1 else 's'}"
+    text = (
+        f"{count}: training stall {_ms(sum(stalls) / len(stalls))} on average "
+        f"(at most {_ms(max(stalls))})"
+    )
+    if durables:
+        text += f", durable after {_ms(sum(durables) / len(durables))} on average"
+    lost = sum(not s.committed for s in saves)
+    return text + (f", {lost} lost in the crash" if lost else "")
+
+
+def _untimed(save: SaveRecord) -> str:
+    return "committed, not timed (crash)" if save.committed else "lost in the crash"
 
 
 def format_verdicts(comparisons: list[Comparison]) -> str:
@@ -75,6 +98,8 @@ def format_verdicts(comparisons: list[Comparison]) -> str:
 def _verdict(c: Comparison) -> str:
     mark = "ok" if c.matches else "MISMATCH"
     lines = [f"[{mark}] {c.label}, steps {c.first_step}-{c.last_step}"]
+    if c.resumed and c.resumed_from is None:
+        lines.append("no checkpoint was committed before the crash: started from step 0")
     if c.restored_exactly is not None:
         restored = "restored bit for bit" if c.restored_exactly else "DIFFERS from the one saved"
         lines.append(f"loaded state of step {c.resumed_from}: {restored}")

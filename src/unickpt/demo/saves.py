@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any
 
+import unickpt
 from unickpt.demo.events import EventSink, SaveDurable, SaveStarted
 
 logger = logging.getLogger(__name__)
@@ -21,7 +22,7 @@ class SaveTracker:
     of a save is raised there too.
     """
 
-    def __init__(self, checkpointer: Any, phase: str, sink: EventSink) -> None:
+    def __init__(self, checkpointer: unickpt.Checkpointer, phase: str, sink: EventSink) -> None:
         self._checkpointer = checkpointer
         self._phase = phase
         self._sink = sink
@@ -56,11 +57,10 @@ class SaveTracker:
             thread.join()
         self.poll()
 
-    def _await_durable(self, step: int, future: Any, start: float) -> None:
+    def _await_durable(self, step: int, future: unickpt.SaveFuture, start: float) -> None:
         try:
             future.wait()
-            reported = getattr(future, "durable_s", None)
-            durable_s = reported if isinstance(reported, float) else time.perf_counter() - start
+            durable_s = time.perf_counter() - start  # from the call to save()
             size = directory_size(self._checkpointer.path(step))
             result: SaveDurable | BaseException = SaveDurable(self._phase, step, durable_s, size)
         except BaseException as error:  # noqa: BLE001 - re-raised in the training thread by poll()

@@ -143,7 +143,9 @@ def train_step(
     return local_loss.item()
 
 
-def _resume(checkpointer: Any, state: dict[str, Any], phase: Phase, sink: EventSink) -> int:
+def _resume(
+    checkpointer: unickpt.Checkpointer, state: dict[str, Any], phase: Phase, sink: EventSink
+) -> int:
     started = time.perf_counter()
     step = checkpointer.load_latest(state)
     load_s = _max_over_ranks(time.perf_counter() - started, phase.world_size)

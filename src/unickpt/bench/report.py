@@ -151,6 +151,19 @@ def to_json(report: BenchReport) -> dict[str, Any]:
     return data
 
 
+RESULTS_START = "<!-- results:start -->"
+RESULTS_END = "<!-- results:end -->"
+
+
+def replace_results(document: str, markdown: str, image: str | None = None) -> str:
+    """Put ``markdown`` (and a link to ``image``) between the results markers of a document."""
+    start, end = document.find(RESULTS_START), document.find(RESULTS_END)
+    if start < 0 or end < start:
+        raise ValueError(f"the document has no {RESULTS_START} ... {RESULTS_END} block")
+    body = markdown if image is None else f"{markdown}\n![checkpoint benchmark]({image})\n"
+    return f"{document[: start + len(RESULTS_START)]}\n{body}{document[end:]}"
+
+
 def write_outputs(report: BenchReport, out: Path) -> dict[str, Path]:
     """Write ``bench.json``, ``bench.md`` and (when matplotlib is there) ``bench.png``."""
     out.mkdir(parents=True, exist_ok=True)

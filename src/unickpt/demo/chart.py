@@ -2,7 +2,7 @@
 
 The top panel draws every phase over the reference run; the bottom panel draws how far each
 phase's loss is from the reference at the same step (zero means bit for bit).
-matplotlib is an optional dependency (``pip install 'unickpt[plot]'``); without it no chart
+matplotlib is an optional dependency (``pip install 'unickpt[demo]'``); without it no chart
 is drawn.
 """
 
@@ -31,7 +31,7 @@ def write_chart(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        logger.warning("matplotlib is not installed, so no chart; pip install 'unickpt[plot]'")
+        logger.warning("matplotlib is not installed, so no chart; pip install 'unickpt[demo]'")
         return None
     reference, runs = phases[0], phases[1:]
     figure, (top, bottom) = plt.subplots(

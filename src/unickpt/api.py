@@ -125,7 +125,7 @@ def async_save(
 
     holder: list[list[ItemSource]] = []
     if not background_snapshot:
-        holder.append(snapshot(prep.items, prep.views, ARENA))
+        holder.append(snapshot(prep.items, prep.views, ARENA, cfg.io_threads))
         fut.set_snapshot_done()
     else:
         _guard_optimizers(state, fut)
@@ -133,7 +133,7 @@ def async_save(
     def work() -> None:
         try:
             if background_snapshot:
-                holder.append(snapshot(prep.items, prep.views, ARENA))
+                holder.append(snapshot(prep.items, prep.views, ARENA, cfg.io_threads))
                 fut.set_snapshot_done()
             report = saver.write_and_commit(prep, storage, holder[0], cfg)
             if on_commit is not None:

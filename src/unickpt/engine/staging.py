@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..planning.save_plan import WriteItem
+from .memcpy import copy_tensor
 from .write import ItemSource
 
 
@@ -49,19 +51,46 @@ def needs_pinned(views: Sequence[torch.Tensor]) -> bool:
 
 
 def snapshot(
-    items: Sequence[WriteItem], views: Sequence[torch.Tensor], arena: StagingArena
+    items: Sequence[WriteItem],
+    views: Sequence[torch.Tensor],
+    arena: StagingArena,
+    threads: int = 2,
 ) -> list[ItemSource]:
     """Copy every item into the arena; return sources that read from the arena."""
     total = items[-1].byte_offset + items[-1].nbytes if items else 0
     pinned = needs_pinned(views)
     buf = arena.take(total, pinned)
-    sources = []
+    slots = [
+        buf[i.byte_offset : i.byte_offset + i.nbytes].view(v.dtype).view(v.shape)
+        for i, v in zip(items, views)
+    ]
+    pairs = list(zip(slots, views))
     with torch.no_grad():
-        for item, view in zip(items, views):
-            slot = buf[item.byte_offset : item.byte_offset + item.nbytes]
-            typed = slot.view(view.dtype).view(view.shape)
-            typed.copy_(view, non_blocking=pinned)
-            sources.append(ItemSource(typed))
+        if pinned or len(pairs) < 2 or threads == 1:
+            for dst, src in pairs:
+                copy_tensor(dst, src, non_blocking=pinned)
+        else:
+            batches = _batches(pairs, threads)
+            with ThreadPoolExecutor(len(batches), thread_name_prefix="unickpt-snap") as pool:
+                list(pool.map(_copy_all, batches))
     if pinned:
         torch.cuda.synchronize()
-    return sources
+    return [ItemSource(s) for s in slots]
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dst, src in pairs:
+        copy_tensor(dst, src)
+
+
+def _batches(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], n: int
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Split copies into ``n`` groups of about equal bytes (largest first, greedy)."""
+    groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for pair in sorted(pairs, key=lambda p: -p[0].nbytes):
+        i = loads.index(min(loads))
+        groups[i].append(pair)
+        loads[i] += pair[0].nbytes
+    return [g for g in groups if g]

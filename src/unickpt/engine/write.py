@@ -20,6 +20,7 @@ from ..format.dtypes import buffer_of, byte_view
 from ..planning.save_plan import WriteItem
 from ..storage.base import Storage, WriteHandle
 from .checksum import segment_digests
+from .memcpy import copy_tensor
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,7 @@ class ItemSource:
 
     def copy_into(self, out: torch.Tensor) -> None:
         """Copy the item's elements into ``out`` (a uint8 tensor of the item's size)."""
-        if self.direct:
-            out.copy_(byte_view(self.view))
-        else:
-            out.view(self.view.dtype).view(self.view.shape).copy_(self.view)
+        copy_tensor(out.view(self.view.dtype).view(self.view.shape), self.view)
 
 
 def write_file(

@@ -90,7 +90,7 @@ class ItemSource:
 
     def copy_into(self, out: torch.Tensor) -> None:
         """Copy the item's elements into ``out`` (a uint8 tensor of the item's size)."""
-        copy_tensor(out.view(self.view.dtype).view(self.view.shape), self.view)
+        copy_tensor(out, self.contiguous_bytes())
 
 
 def write_file(

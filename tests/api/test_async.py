@@ -93,3 +93,21 @@ def test_wait_reraises_background_failure_with_traceback(tmp_path: Path) -> None
     assert "write_and_commit" in frames
     with pytest.raises(unickpt.CheckpointNotFoundError):
         unickpt.load(tmp_path / "f", {"model": model})
+
+
+def test_async_mixed_dtypes_and_layouts(tmp_path: Path) -> None:
+    base = torch.arange(30, dtype=torch.float64).reshape(5, 6)
+    state = {
+        "a_bool": torch.tensor([True, False, True]),
+        "b_complex": torch.randn(5, dtype=torch.complex128),
+        "c_int8": torch.arange(7, dtype=torch.int8),
+        "d_strided": base.t(),
+        "e_bf16": torch.randn(9).to(torch.bfloat16),
+        "f_big": torch.randn(600_000),
+    }
+    fut = unickpt.async_save(tmp_path / "m", state)
+    fut.wait()
+    dest = {k: torch.zeros_like(v.contiguous()) for k, v in state.items()}
+    unickpt.load(tmp_path / "m", dest)
+    for k, v in state.items():
+        assert torch.equal(dest[k], v), k

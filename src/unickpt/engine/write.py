@@ -2,7 +2,7 @@
 
 The rank's :class:`WriteItem` list is cut into :class:`WriteTask` s: large chunks into pieces of
 ``window_bytes`` (a multiple of the checksum segment, so each piece hashes its own segments),
-small chunks batched into one write. Worker threads copy (when needed), hash and ``pwrite``;
+small chunks batched into one write (with the alignment padding between them zeroed). Worker threads copy (when needed), hash and ``pwrite``;
 the file is made durable before the function returns.
 """
 
@@ -59,7 +59,8 @@ def build_tasks(
     def flush() -> None:
         if batch:
             start = items[batch[0].item].byte_offset
-            tasks.append(WriteTask(start, sum(s.nbytes for s in batch), tuple(batch)))
+            last = items[batch[-1].item]
+            tasks.append(WriteTask(start, last.byte_offset + last.nbytes - start, tuple(batch)))
             batch.clear()
 
     for i, item in enumerate(items):
@@ -105,12 +106,13 @@ def write_file(
     total = items[-1].byte_offset + items[-1].nbytes if items else 0
     splittable = [s.direct for s in sources]
     tasks = build_tasks(items, config.window_bytes, config.small_chunk_bytes, splittable)
+    offsets = [i.byte_offset for i in items]
     handle = storage.create(name, total)
     digests: dict[tuple[int, int], list[str]] = {}
     try:
         with ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-write") as pool:
             futures = [
-                pool.submit(_run_task, handle, task, sources, config.segment_bytes)
+                pool.submit(_run_task, handle, task, sources, offsets, config.segment_bytes)
                 for task in tasks
             ]
             for fut in futures:
@@ -127,7 +129,11 @@ def write_file(
 
 
 def _run_task(
-    handle: WriteHandle, task: WriteTask, sources: Sequence[ItemSource], segment: int
+    handle: WriteHandle,
+    task: WriteTask,
+    sources: Sequence[ItemSource],
+    offsets: Sequence[int],
+    segment: int,
 ) -> dict[tuple[int, int], list[str]]:
     out: dict[tuple[int, int], list[str]] = {}
     if len(task.spans) == 1:
@@ -137,14 +143,13 @@ def _run_task(
         out[(span.item, span.start)] = segment_digests(mv, segment)
         handle.write_at(task.file_offset, mv)
         return out
-    buf = torch.empty(task.nbytes, dtype=torch.uint8)
-    pos = 0
+    buf = torch.zeros(task.nbytes, dtype=torch.uint8)
     for span in task.spans:
+        pos = offsets[span.item] - task.file_offset
         part = buf[pos : pos + span.nbytes]
         if span.nbytes:
             sources[span.item].copy_into(part)
         out[(span.item, 0)] = segment_digests(buffer_of(part), segment)
-        pos += span.nbytes
     handle.write_at(task.file_offset, buffer_of(buf))
     return out
 

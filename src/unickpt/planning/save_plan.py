@@ -17,6 +17,10 @@ from ..format.dtypes import dtype_from_name, itemsize
 from ..layouts.boxes import Box
 
 
+CHUNK_ALIGN = 64
+"""Chunks start at multiples of this many bytes in a data file, so any dtype views them."""
+
+
 @dataclass(frozen=True)
 class TensorDecl:
     """What a rank says about one tensor: its global description and the boxes it holds."""
@@ -137,6 +141,7 @@ def _layout_file(
     laid = []
     for key, box in sorted(items, key=lambda kb: (kb[0], kb[1].offsets)):
         nbytes = math.prod(box.lengths) * sizes[key]
+        offset = -(-offset // CHUNK_ALIGN) * CHUNK_ALIGN
         laid.append(WriteItem(key, box, offset, nbytes))
         offset += nbytes
     return tuple(laid)

@@ -2,8 +2,8 @@
 
 The rank's :class:`WriteItem` list is cut into :class:`WriteTask` s: large chunks into pieces of
 ``window_bytes`` (a multiple of the checksum segment, so each piece hashes its own segments),
-small chunks batched into one write (with the alignment padding between them zeroed). Worker threads copy (when needed), hash and ``pwrite``;
-the file is made durable before the function returns.
+small chunks batched into one write (the alignment padding between them zeroed). Worker threads
+copy (when needed), hash and ``pwrite``; the file is made durable before the function returns.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from ..errors import CheckpointMismatchError
 from ..format.dtypes import dtype_from_name, itemsize
 from ..layouts.boxes import Box
 
-
 CHUNK_ALIGN = 64
 """Chunks start at multiples of this many bytes in a data file, so any dtype views them."""
 

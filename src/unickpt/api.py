@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -152,21 +153,30 @@ def async_save(
     return fut
 
 
+# Step pre-hooks of earlier guards, per optimizer. A hook cannot remove itself (step()
+# iterates the hook dict while calling it), so a fired guard turns into a no-op and is
+# removed by the next guard, from outside step().
+_GUARDS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+
+
 def _guard_optimizers(state: dict[str, Any], fut: SaveFuture) -> None:
     """Make the next step() of every optimizer in ``state`` wait for ``fut``'s snapshot."""
-    handles: list[Any] = []
+    fired = threading.Event()
 
     def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if fired.is_set():
+            return
+        fired.set()
         if not fut.snapshot_done():
             t0 = time.perf_counter()
             fut.wait_snapshot()
             fut.blocking_s += time.perf_counter() - t0
-        for h in handles:
-            h.remove()
-        handles.clear()
 
     for opt in _optimizers(state):
-        handles.append(opt.register_step_pre_hook(hook))
+        stale = _GUARDS.pop(opt, None)
+        if stale is not None:
+            stale.remove()
+        _GUARDS[opt] = opt.register_step_pre_hook(hook)
 
 
 def _optimizers(state: Any) -> list[torch.optim.Optimizer]:

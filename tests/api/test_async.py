@@ -63,6 +63,29 @@ def test_background_snapshot_waits_for_next_optimizer_step(tmp_path: Path) -> No
         before = {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def test_background_snapshots_back_to_back_then_several_steps(tmp_path: Path) -> None:
+    """Two saves before a step, then steps: each guard waits once and never breaks step()."""
+    model, _ = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {"model": model, "optimizer": opt}
+    first = unickpt.async_save(tmp_path / "b0", state, background_snapshot=True)
+    second = unickpt.async_save(tmp_path / "b1", state, background_snapshot=True)
+    for _ in range(3):
+        _train(model, opt)
+    assert first.snapshot_done() and second.snapshot_done()
+    first.wait()
+    second.wait()
+    for name in ("b0", "b1"):
+        saved = _saved(tmp_path / name)
+        for k, v in before.items():
+            assert torch.equal(saved[k], v), (name, k)
+    assert len(opt._optimizer_step_pre_hooks) == 1  # the fired guard, a no-op now
+    unickpt.async_save(tmp_path / "b2", state, background_snapshot=True).wait()
+    assert len(opt._optimizer_step_pre_hooks) == 1  # the stale guard made way for the new one
+
+
 def test_saves_are_ordered_and_reuse_staging(tmp_path: Path) -> None:
     from unickpt.engine.staging import ARENA
 

@@ -41,7 +41,8 @@ def test_single_process_summary(tmp_path: Path) -> None:
     assert objects["train.name"].summary == "'run-a'"
     assert objects["train.betas"].type == "tuple"
     assert s.tensor_bytes == sum(t.nbytes for t in s.tensors)
-    assert s.data_bytes == s.tensor_bytes
+    # Data files hold the chunks plus alignment padding (64 bytes at most each).
+    assert 0 <= s.data_bytes - s.tensor_bytes < 64 * len(s.tensors)
 
 
 def test_json_document_is_complete(tmp_path: Path) -> None:

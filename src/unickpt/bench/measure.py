@@ -160,6 +160,7 @@ class PeakMemory:
         self._peak_tree = 0
         self._hwm_exact = False
         self.extra_bytes = 0
+        self.peak_bytes = 0  # absolute: the level at entry plus extra_bytes
 
     def __enter__(self) -> PeakMemory:
         self._hwm_exact = _reset_self_peak()
@@ -193,6 +194,7 @@ class PeakMemory:
         sampled = self._peak_tree - self._baseline_tree
         exact = _self_peak_bytes() - self._baseline_self if self._hwm_exact else 0
         self.extra_bytes = max(0, sampled, exact)
+        self.peak_bytes = self._baseline_tree + self.extra_bytes
 
 
 def now() -> float:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from unickpt.bench.measure import PeakMemory, io_delta, now, tree_io
+from unickpt.bench.measure import PeakMemory, io_delta, now, tree_io, tree_rss_bytes
 from unickpt.bench.model import TrainState
 from unickpt.bench.results import RankMeasurement
 from unickpt.bench.systems.base import CheckpointSystem, SaveHandle, Unsupported
@@ -37,21 +37,27 @@ log = logging.getLogger(__name__)
 class IterationBaseline:
     forward_backward_s: float
     step_s: float
+    iteration_extra_bytes: int = 0  # resident memory one iteration adds (gradients, activations)
 
 
 def measure_baseline(state: TrainState, repeats: int = 3) -> IterationBaseline:
     """Median time of forward+backward and of the optimizer step, without checkpointing."""
     fb: list[float] = []
     step: list[float] = []
+    extra: list[int] = []
     for _ in range(repeats):
         dist.barrier()
-        t0 = now()
-        state.forward_backward()
-        t1 = now()
-        state.step()
-        step.append(now() - t1)
+        with PeakMemory() as memory:
+            t0 = now()
+            state.forward_backward()
+            t1 = now()
+            state.step()
+            step.append(now() - t1)
         fb.append(t1 - t0)
-    return IterationBaseline(statistics.median(fb), statistics.median(step))
+        extra.append(memory.extra_bytes)
+    return IterationBaseline(
+        statistics.median(fb), statistics.median(step), int(statistics.median(extra))
+    )
 
 
 @dataclass(frozen=True)
@@ -107,15 +113,23 @@ class _DurableWatch:
 
 
 def _save(
-    system: CheckpointSystem, path: Path, state: TrainState, base: IterationBaseline
+    system: CheckpointSystem,
+    path: Path,
+    state: TrainState,
+    base: IterationBaseline,
+    rss_before: int,
 ) -> _SavePhase:
+    """One measured save. Its memory is the peak resident memory above ``rss_before`` (taken
+    before the system's first save, so buffers it keeps between saves count), during the call
+    and, less what the training iteration needs itself, while the iteration overlaps it."""
     dist.barrier()
     before = tree_io()
-    with PeakMemory() as memory:
+    with PeakMemory() as call_memory:
         t0 = now()
         handle = system.save(path, state)
         handle.wait_until_mutable()
         t1 = now()
+    with PeakMemory() as overlap_memory:
         watch = _DurableWatch(handle)
         state.forward_backward()
         t2 = now()
@@ -123,6 +137,11 @@ def _save(
         t3 = now()
         durable_at = watch.join()
     moved = io_delta(before, tree_io())
+    peak_extra = max(
+        0,
+        call_memory.peak_bytes - rss_before,
+        overlap_memory.peak_bytes - base.iteration_extra_bytes - rss_before,
+    )
     step_wait = max(0.0, (t3 - t2) - base.step_s)
     slowdown = (t3 - t1) - (base.forward_backward_s + base.step_s)
     return _SavePhase(
@@ -132,7 +151,7 @@ def _save(
         durable_s=durable_at - t0,
         write_bytes=moved.write_bytes,
         rchar=moved.rchar,
-        peak_extra_bytes=memory.extra_bytes,
+        peak_extra_bytes=peak_extra,
     )
 
 
@@ -209,10 +228,11 @@ def measure_system(
 ) -> RankMeasurement:
     """Run every phase for ``system``; phases the system cannot do are recorded as errors."""
     errors: list[str] = []
+    rss_before = tree_rss_bytes()
     first = _first_save(system, workdir / f"{system.info.name}-warmup", state) if warmup else None
     expected = fingerprint(state)
     path = workdir / system.info.name
-    save = _save(system, path, state, base)
+    save = _save(system, path, state, base, rss_before)
     dist.barrier()
     loaded = _load(system, path, state, expected, False, errors)
     resharded = _load(system, path, reshard_state, expected, True, errors)

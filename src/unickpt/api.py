@@ -26,6 +26,7 @@ from .engine.loader import LoadReport
 from .engine.loader import load as _load
 from .engine.staging import ARENA, snapshot
 from .engine.write import ItemSource
+from .planning.capture import capture
 from .storage.base import Storage
 from .storage.local import LocalStorage
 
@@ -95,25 +96,30 @@ def async_save(
 ) -> SaveFuture:
     """Snapshot ``state`` and return; write, fsync and commit go on in the background.
 
-    With ``background_snapshot=True`` the call returns at once and the snapshot itself runs in
-    the background; the next ``step()`` of any optimizer in ``state`` waits for it, so the
-    checkpoint holds the values of the moment of this call as long as tensors only change in
-    optimizer steps. ``on_commit`` runs on every rank, in the background, once the checkpoint
-    is committed (retention and replication hook in there).
+    With ``background_snapshot=True`` (zero-stall) the call returns at once: flattening,
+    planning and the snapshot itself run in the background, and the next ``step()`` of any
+    optimizer in ``state`` waits for the snapshot. The checkpoint holds the values of the
+    moment of this call as long as tensors change only in optimizer steps; the containers of
+    ``state`` and the state dicts of stateful objects other than modules and optimizers (data
+    loaders, schedulers, RNG holders) are captured in the call. Errors of planning (an existing
+    checkpoint, an unpicklable value) then surface in ``wait()``. ``on_commit`` runs on every
+    rank, in the background, once the checkpoint is committed (retention and replication hook
+    in there).
 
     >>> fut = unickpt.async_save("ckpt/step-100", state)  # doctest: +SKIP
     >>> ...  # train on
     >>> fut.wait()  # doctest: +SKIP
     """
-    wait_pending()
     cfg = config or get_config()
     fut = SaveFuture()
     fut.path = str(path) if not isinstance(path, Storage) else path.location
+    if background_snapshot:
+        return _deferred_save(path, state, group, allow_pickle, overwrite, cfg, on_commit, fut)
+    wait_pending()
     comm = Comm(group, cfg.collective_timeout_s)
     storage = storage_for(path)
     prep = saver.prepare(comm, storage, state, allow_pickle, overwrite)
-    streamed = prep.nbytes > cfg.staging_budget_bytes
-    if streamed:
+    if prep.nbytes > cfg.staging_budget_bytes:
         log.info(
             "state (%d bytes) exceeds the staging budget; saving in the foreground", prep.nbytes
         )
@@ -123,34 +129,79 @@ def async_save(
         fut.set_result(report)
         fut.blocking_s = time.perf_counter() - fut.started_s
         return fut
-
-    holder: list[list[ItemSource]] = []
-    if not background_snapshot:
-        holder.append(snapshot(prep.items, prep.views, ARENA, cfg.io_threads))
-        fut.set_snapshot_done()
-    else:
-        _guard_optimizers(state, fut)
+    sources = snapshot(prep.items, prep.views, ARENA, cfg.io_threads)
+    fut.set_snapshot_done()
 
     def work() -> None:
         try:
-            if background_snapshot:
-                holder.append(snapshot(prep.items, prep.views, ARENA, cfg.io_threads))
-                fut.set_snapshot_done()
-            report = saver.write_and_commit(prep, storage, holder[0], cfg)
-            if on_commit is not None:
-                on_commit()
-            fut.set_result(report)
+            _finish(prep, storage, sources, cfg, on_commit, fut)
         except BaseException as e:  # noqa: BLE001 - handed to the caller through wait()
-            if prep.release is not None and not fut.snapshot_done():
+            fut.set_exception(e)
+
+    _start(fut, work)
+    return fut
+
+
+def _deferred_save(
+    path: str | os.PathLike[str] | Storage,
+    state: dict[str, Any],
+    group: Any,
+    allow_pickle: bool,
+    overwrite: bool,
+    cfg: Config,
+    on_commit: Callable[[], None] | None,
+    fut: SaveFuture,
+) -> SaveFuture:
+    """Zero-stall: capture, guard the optimizers, and plan, copy and write in the background."""
+    comm = Comm(group, cfg.collective_timeout_s)  # may create a group: all ranks, this thread
+    storage = storage_for(path)
+    captured = capture(state)
+    _guard_optimizers(state, fut)
+    with _PENDING_LOCK:
+        earlier = list(_PENDING)
+
+    def work() -> None:
+        prep: saver.PreparedSave | None = None
+        try:
+            for previous in earlier:  # one save at a time: they share the staging memory
+                previous.wait_done()
+            prep = saver.prepare(comm, storage, captured, allow_pickle, overwrite)
+            if prep.nbytes > cfg.staging_budget_bytes:
+                # Streamed from the live tensors: the next step waits for the whole write.
+                sources = [ItemSource(v) for v in prep.views]
+            else:
+                sources = snapshot(prep.items, prep.views, ARENA, cfg.io_threads)
+                fut.set_snapshot_done()
+            _finish(prep, storage, sources, cfg, on_commit, fut)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through wait()
+            if prep is not None and prep.release is not None and not fut.snapshot_done():
                 prep.release()
             fut.set_exception(e)
 
+    _start(fut, work)
+    return fut
+
+
+def _finish(
+    prep: saver.PreparedSave,
+    storage: Storage,
+    sources: list[ItemSource],
+    cfg: Config,
+    on_commit: Callable[[], None] | None,
+    fut: SaveFuture,
+) -> None:
+    report = saver.write_and_commit(prep, storage, sources, cfg)
+    if on_commit is not None:
+        on_commit()
+    fut.set_result(report)
+
+
+def _start(fut: SaveFuture, work: Callable[[], None]) -> None:
     with _PENDING_LOCK:
         _PENDING.append(fut)
     # Not a daemon: an interpreter that exits joins it, so a save is never cut off midway.
     threading.Thread(target=work, name="unickpt-async-save", daemon=False).start()
     fut.blocking_s = time.perf_counter() - fut.started_s
-    return fut
 
 
 # Step pre-hooks of earlier guards, per optimizer. A hook cannot remove itself (step()

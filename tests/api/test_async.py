@@ -86,6 +86,52 @@ def test_background_snapshots_back_to_back_then_several_steps(tmp_path: Path) ->
     assert len(opt._optimizer_step_pre_hooks) == 1  # the stale guard made way for the new one
 
 
+class _Loader:
+    """A data loader's position: it advances in forward, before the optimizer step."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def test_zero_stall_captures_everything_but_tensor_values_in_the_call(tmp_path: Path) -> None:
+    model, opt = _model()
+    loader = _Loader()
+    loader.position = 7
+    state = {"model": model, "optimizer": opt, "loader": loader, "step": 5, "tags": ["a"]}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fut = unickpt.async_save(tmp_path / "c", state, background_snapshot=True)
+    state["step"] = 6  # the loop moves on at once; the checkpoint keeps the call's values
+    state["tags"].append("b")
+    loader.position = 8
+    _train(model, opt)
+    fut.wait()
+    fresh_model, fresh_opt = _model()
+    fresh = {"model": fresh_model, "optimizer": fresh_opt, "loader": _Loader(), "step": 0}
+    fresh["tags"] = []
+    unickpt.load(tmp_path / "c", fresh)
+    assert (fresh["step"], fresh["tags"], fresh["loader"].position) == (5, ["a"], 7)
+    for k, v in before.items():
+        assert torch.equal(fresh_model.state_dict()[k], v), k
+
+
+def test_zero_stall_planning_error_surfaces_in_wait(tmp_path: Path) -> None:
+    model, opt = _model()
+    unickpt.save(tmp_path / "c", {"model": model})
+    fut = unickpt.async_save(
+        tmp_path / "c", {"model": model, "optimizer": opt}, background_snapshot=True
+    )
+    _train(model, opt)  # the guarded step does not hang on a save that failed
+    with pytest.raises(unickpt.CheckpointExistsError, match="already holds a committed"):
+        fut.wait()
+    unickpt.load(tmp_path / "c", {"model": _model()[0]})  # the old checkpoint is intact
+
+
 def test_saves_are_ordered_and_reuse_staging(tmp_path: Path) -> None:
     from unickpt.engine.staging import ARENA
 

@@ -48,6 +48,10 @@ class SaveFuture:
             raise self._error
         return self._result
 
+    def wait_done(self) -> None:
+        """Wait until the save ends, committed or failed, without raising its error."""
+        self._done.wait()
+
     def exception(self) -> BaseException | None:
         return self._error if self._done.is_set() else None
 

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..layouts.boxes import Box, flat_range_to_boxes
-from ..layouts.dtensor import dtensor_box, is_dtensor
+from ..layouts.dtensor import dtensor_box, is_dtensor, local_tensor
 from ..layouts.leaves import FlatShard, PerRank, ShardedTensor
 from .stateful import StatefulAdapter, collect_modules, is_stateful
 
@@ -141,7 +141,7 @@ def tensor_leaf(key: str, value: Any) -> TensorLeaf:
     if isinstance(value, FlatShard):
         return TensorLeaf(key, value.local.dtype, value.global_shape, "flat", _flat_pieces(value))
     if is_dtensor(value):
-        local = value.to_local().detach()
+        local = local_tensor(value).detach()
         held = dtensor_box(key, value)
         pieces = [(held, local)] if held is not None else []
         return TensorLeaf(key, local.dtype, tuple(int(s) for s in value.shape), "dtensor", pieces)

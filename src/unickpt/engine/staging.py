@@ -7,6 +7,7 @@ device-to-host asynchronously into pinned memory, with one synchronization at th
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,22 @@ class StagingArena:
 
 ARENA = StagingArena()
 
+# Copy threads live across saves: starting them costs more than a copy of tens of MB. Recreated
+# after a fork (the child has none of the parent's threads) or when the thread count changes.
+_POOL: tuple[int, int, ThreadPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] != threads:
+            if _POOL is not None and _POOL[0] == os.getpid():
+                _POOL[2].shutdown(wait=False)
+            pool = ThreadPoolExecutor(threads, thread_name_prefix="unickpt-snap")
+            _POOL = (os.getpid(), threads, pool)
+        return _POOL[2]
+
 
 def needs_pinned(views: Sequence[torch.Tensor]) -> bool:
     return any(v.device.type == "cuda" for v in views) and torch.cuda.is_available()
@@ -71,8 +88,7 @@ def snapshot(
                 copy_tensor(dst, src, non_blocking=pinned)
         else:
             batches = _batches(pairs, threads)
-            with ThreadPoolExecutor(len(batches), thread_name_prefix="unickpt-snap") as pool:
-                list(pool.map(_copy_all, batches))
+            list(_pool(threads).map(_copy_all, batches))
     if pinned:
         torch.cuda.synchronize()
     return [ItemSource(s) for s in slots]

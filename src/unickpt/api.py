@@ -66,8 +66,12 @@ def save(
     allow_pickle: bool = False,
     overwrite: bool = False,
     config: Config | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> saver.SaveReport:
     """Save ``state`` to ``path``; durable and committed when it returns.
+
+    ``progress(bytes_written, bytes_total)``, when given, is called on every rank as pieces of
+    its data file land (a progress bar for long saves).
 
     >>> import torch, unickpt
     >>> model = torch.nn.Linear(4, 2)
@@ -80,7 +84,7 @@ def save(
     storage = storage_for(path)
     prep = saver.prepare(comm, storage, state, allow_pickle, overwrite)
     sources = [ItemSource(v) for v in prep.views]
-    return saver.write_and_commit(prep, storage, sources, cfg)
+    return saver.write_and_commit(prep, storage, sources, cfg, progress)
 
 
 def async_save(

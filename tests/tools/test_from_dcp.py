@@ -38,3 +38,14 @@ def test_dcp_checkpoint_roundtrip(tmp_path: Path) -> None:
     unickpt.load(tmp_path / "c", {"model": fresh}, strict=False)
     for k, v in model.state_dict().items():
         assert_bitwise(fresh.state_dict()[k], v, k)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_import_progress_covers_reading_then_saving(tmp_path: Path) -> None:
+    state = {"a": torch.randn(300, 200), "b": torch.arange(7)}
+    dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    calls: list[tuple[int, int]] = []
+    import_dcp(tmp_path / "dcp", tmp_path / "c", progress=lambda d, t: calls.append((d, t)))
+    done = [d for d, _ in calls]
+    assert done == sorted(done) and calls[-1][0] == calls[-1][1]
+    assert {t for _, t in calls} == {2 * (300 * 200 * 4 + 7 * 8)}

@@ -53,3 +53,15 @@ def test_legacy_torch_format(tmp_path: Path) -> None:
     dest = {"w": torch.zeros(3, 3), "step": 0}
     unickpt.load(tmp_path / "c", dest)
     assert_same(dest, state)
+
+
+def test_import_reports_progress_up_to_the_bytes_written(tmp_path: Path) -> None:
+    state = plain_state()
+    torch.save(state, tmp_path / "c.pt")
+    calls: list[tuple[int, int]] = []
+    report = import_torch(
+        tmp_path / "c.pt", tmp_path / "c", progress=lambda d, t: calls.append((d, t))
+    )
+    done = [d for d, _ in calls]
+    assert calls and done == sorted(done)
+    assert calls[-1][0] == calls[-1][1] >= report.tensor_bytes

@@ -104,9 +104,7 @@ def run(args: argparse.Namespace) -> int:
     verb = "exporting" if args.to else "importing"
     try:
         shard = parse_size(args.max_shard_size) if args.max_shard_size else DEFAULT_MAX_SHARD_BYTES
-        # imports from torch and safetensors happen inside one save, which reports no progress
-        shown = wants_progress(args.progress) and (args.to or fmt == "dcp")
-        with progress_bar(f"{verb} ({fmt})", bool(shown)) as progress:
+        with progress_bar(f"{verb} ({fmt})", wants_progress(args.progress)) as progress:
             options = ConvertOptions(
                 only=args.only,
                 max_shard_bytes=shard,

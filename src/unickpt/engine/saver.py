@@ -141,6 +141,7 @@ def write_and_commit(
     storage: Storage,
     sources: list[ItemSource],
     config: Config,
+    progress: Callable[[int, int], None] | None = None,
 ) -> SaveReport:
     """Write this rank's file, then commit on the coordinator; raise everywhere on failure."""
     comm = prep.comm
@@ -150,7 +151,7 @@ def write_and_commit(
     caught: BaseException | None = None
     try:
         if prep.items:
-            ref = _write_rank_files(prep, storage, sources, config)
+            ref = _write_rank_files(prep, storage, sources, config, progress)
     except Exception as e:  # noqa: BLE001 - reported to every rank
         failure, caught = failure_of(comm.rank, e), e
     write_s = time.perf_counter() - t0
@@ -178,11 +179,15 @@ def write_and_commit(
 
 
 def _write_rank_files(
-    prep: PreparedSave, storage: Storage, sources: list[ItemSource], config: Config
+    prep: PreparedSave,
+    storage: Storage,
+    sources: list[ItemSource],
+    config: Config,
+    progress: Callable[[int, int], None] | None,
 ) -> FileRef:
     """This rank's data file, then its index (chunks and checksums); both durable."""
     name = data_name(prep.save_id, prep.comm.rank)
-    result = write_file(storage, name, prep.items, sources, config)
+    result = write_file(storage, name, prep.items, sources, config, progress)
     entries = [
         (i.key, ChunkMeta(i.box.offsets, i.box.lengths, 0, i.byte_offset, i.nbytes, sums))
         for i, sums in zip(prep.items, result.checksums)

@@ -100,9 +100,12 @@ def write_file(
     items: Sequence[WriteItem],
     sources: Sequence[ItemSource],
     config: Config,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> WriteResult:
-    """Write ``items`` from ``sources`` into ``name``; durable on return."""
+    """Write ``items`` from ``sources`` into ``name``; durable on return.
+
+    ``progress(bytes_written, bytes_total)`` is called as each piece lands.
+    """
     total = items[-1].byte_offset + items[-1].nbytes if items else 0
     splittable = [s.direct for s in sources]
     tasks = build_tasks(items, config.window_bytes, config.small_chunk_bytes, splittable)
@@ -115,11 +118,13 @@ def write_file(
                 pool.submit(_run_task, handle, task, sources, offsets, config.segment_bytes)
                 for task in tasks
             ]
-            for fut in futures:
+            done = 0
+            for task, fut in zip(tasks, futures):
                 for key, value in fut.result().items():
                     digests[key] = value
+                done += task.nbytes
                 if progress is not None:
-                    progress(0)
+                    progress(done, total)
     except BaseException:
         handle.close(durable=False)
         storage.remove(name)

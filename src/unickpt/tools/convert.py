@@ -57,10 +57,17 @@ def import_checkpoint(
     """Import ``src`` in format ``fmt`` into a new unickpt checkpoint at ``dst``."""
     o = options
     if fmt == "safetensors":
-        return import_safetensors(src, dst, prefix=o.prefix, overwrite=o.overwrite)
+        return import_safetensors(
+            src, dst, prefix=o.prefix, overwrite=o.overwrite, progress=o.progress
+        )
     if fmt == "torch":
         return import_torch(
-            src, dst, prefix=o.prefix, allow_pickle=o.allow_pickle, overwrite=o.overwrite
+            src,
+            dst,
+            prefix=o.prefix,
+            allow_pickle=o.allow_pickle,
+            overwrite=o.overwrite,
+            progress=o.progress,
         )
     if fmt == "dcp":
         return import_dcp(

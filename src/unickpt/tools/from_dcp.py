@@ -91,10 +91,11 @@ def import_dcp(
         k for k, m in meta.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)
     ]
     values = _load_values(src_path, value_keys, allow_pickle)
+    scale = sum(_nbytes(m) for m in tensors.values())
     dst_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{dst_path.name}.", dir=dst_path.parent) as scratch:
         spool = Spool(Path(scratch) / "tensors.bin")
-        _spool_tensors(src_path, tensors, spool, group_bytes, progress)
+        _spool_tensors(src_path, tensors, spool, group_bytes, _half(progress, 0, scale))
         flat = {**spool.tensors(), **values}
         state = with_prefix(nest_by_paths(flat, meta.planner_data), prefix, src_path)
         return save_imported(
@@ -105,7 +106,21 @@ def import_dcp(
             allow_pickle=allow_pickle,
             overwrite=overwrite,
             started_s=t0,
+            progress=_half(progress, 1, scale),
         )
+
+
+def _half(progress: ProgressFn | None, which: int, scale: int) -> ProgressFn | None:
+    """Reading into the spool is the first half of the bar, the save the second; both halves
+    count ``scale`` bytes (the tensors' bytes), whatever total the step reports."""
+    if progress is None:
+        return None
+
+    def report(done: int, total: int) -> None:
+        part = done if total == scale else (done * scale // total if total else scale)
+        progress(which * scale + part, 2 * scale)
+
+    return report
 
 
 def read_dcp_metadata(src: Path) -> Metadata:

@@ -18,6 +18,7 @@ import torch
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from .imports import save_imported, with_prefix
 from .output import check_distinct
+from .progress import ProgressFn
 from .reports import ConvertReport
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ def import_safetensors(
     *,
     prefix: str | None = None,
     overwrite: bool = False,
+    progress: ProgressFn | None = None,
 ) -> ConvertReport:
     """Save the tensors of safetensors ``src`` as unickpt checkpoint ``dst``.
 
@@ -61,6 +63,7 @@ def import_safetensors(
             allow_pickle=False,
             overwrite=overwrite,
             started_s=t0,
+            progress=progress,
         )
 
 

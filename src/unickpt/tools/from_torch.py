@@ -14,6 +14,7 @@ import torch
 from ..errors import CheckpointError, CheckpointNotFoundError
 from .imports import save_imported, with_prefix
 from .output import check_distinct
+from .progress import ProgressFn
 from .reports import ConvertReport
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ def import_torch(
     prefix: str | None = None,
     allow_pickle: bool = False,
     overwrite: bool = False,
+    progress: ProgressFn | None = None,
 ) -> ConvertReport:
     """Save the dict in ``torch.save`` file ``src`` as unickpt checkpoint ``dst``.
 
@@ -49,6 +51,7 @@ def import_torch(
         allow_pickle=allow_pickle,
         overwrite=overwrite,
         started_s=t0,
+        progress=progress,
     )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from ..api import save
 from ..engine.reader import CheckpointReader
 from ..errors import CheckpointError, UnsafeObjectError
+from .progress import ProgressFn
 from .reports import ConvertReport
 
 
@@ -34,10 +35,11 @@ def save_imported(
     allow_pickle: bool,
     overwrite: bool,
     started_s: float,
+    progress: ProgressFn | None = None,
 ) -> ConvertReport:
     """Save ``state`` as a unickpt checkpoint at ``dst`` and describe the result."""
     try:
-        save(dst, state, allow_pickle=allow_pickle, overwrite=overwrite)
+        save(dst, state, allow_pickle=allow_pickle, overwrite=overwrite, progress=progress)
     except UnsafeObjectError as e:
         raise UnsafeObjectError(
             f"{src}: {e} From the command line: --allow-pickle, if you trust the source."

@@ -60,17 +60,9 @@ def import_checkpoint(
         return import_safetensors(
             src, dst, prefix=o.prefix, overwrite=o.overwrite, progress=o.progress
         )
-    if fmt == "torch":
-        return import_torch(
-            src,
-            dst,
-            prefix=o.prefix,
-            allow_pickle=o.allow_pickle,
-            overwrite=o.overwrite,
-            progress=o.progress,
-        )
-    if fmt == "dcp":
-        return import_dcp(
+    if fmt in ("torch", "dcp"):
+        importer = import_torch if fmt == "torch" else import_dcp
+        return importer(
             src,
             dst,
             prefix=o.prefix,

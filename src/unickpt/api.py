@@ -104,8 +104,8 @@ def async_save(
     planning and the snapshot itself run in the background, and the next ``step()`` of any
     optimizer in ``state`` waits for the snapshot. The checkpoint holds the values of the
     moment of this call as long as tensors change only in optimizer steps; the containers of
-    ``state`` and the state dicts of stateful objects other than modules and optimizers (data
-    loaders, schedulers, RNG holders) are captured in the call. Errors of planning (an existing
+    ``state`` and the state dicts of its stateful objects (modules, optimizers, data loaders,
+    schedulers) are captured in the call, tensors by reference. Errors of planning (an existing
     checkpoint, an unpicklable value) then surface in ``wait()``. ``on_commit`` runs on every
     rank, in the background, once the checkpoint is committed (retention and replication hook
     in there).
@@ -133,7 +133,12 @@ def async_save(
         fut.set_result(report)
         fut.blocking_s = time.perf_counter() - fut.started_s
         return fut
-    sources = snapshot(prep.items, prep.views, ARENA, cfg.io_threads)
+    try:
+        sources = snapshot(prep.items, prep.views, ARENA, cfg.io_threads)
+    except BaseException:
+        if prep.release is not None:
+            prep.release()
+        raise
     fut.set_snapshot_done()
 
     def work() -> None:

@@ -38,7 +38,7 @@ class DemoConfig:
     model: GPTConfig = field(default_factory=lambda: GPTConfig(vocab_size=VOCAB_SIZE))
     batch_size: int = 16
     micro_batches: int = 2
-    lr: float = 3e-3
+    lr: float = 1e-3
     warmup_steps: int = 5
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1

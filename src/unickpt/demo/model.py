@@ -31,7 +31,7 @@ class GPTConfig:
     context_len: int = 64
     n_layers: int = 4
     n_heads: int = 4
-    d_model: int = 128
+    d_model: int = 256
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:

@@ -96,12 +96,18 @@ def _uses_fsdp1(module: nn.Module) -> bool:
     return bool(FSDP1) and any(isinstance(m, FSDP1) for m in module.modules())
 
 
-def owner_module(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> nn.Module | None:
-    """The module whose parameters the optimizer updates, so its state can be keyed by name."""
-    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+def owner_module(
+    optimizer: torch.optim.Optimizer, modules: list[nn.Module]
+) -> tuple[nn.Module, dict[int, str]] | None:
+    """The module whose parameters the optimizer updates, with the names of its parameters
+    by ``id``, so the optimizer's state can be keyed by name."""
+    params = _optimizer_order(optimizer)
+    if not params:
+        return None
     for module in modules:
-        if params and params <= {id(p) for p in module.parameters()}:
-            return module
+        names = _param_names(module)
+        if all(id(p) in names for p in params):
+            return module, names
     return None
 
 
@@ -111,16 +117,18 @@ class StatefulAdapter:
     def __init__(self, obj: Any, modules: list[nn.Module]) -> None:
         self.obj = obj
         self.model: nn.Module | None = None
+        self.names: dict[int, str] = {}
         if isinstance(obj, torch.optim.Optimizer):
-            self.model = owner_module(obj, modules)
-            if self.model is None:
+            owner = owner_module(obj, modules)
+            if owner is not None:
+                self.model, self.names = owner
+            else:
                 log.warning(
                     "no module in the state owns the optimizer's parameters; its state is keyed "
                     "by position and will not reshard. Put the model in the same state dict."
                 )
-        self.fsdp1 = any(_uses_fsdp1(m) for m in ([obj] if isinstance(obj, nn.Module) else []))
-        if self.model is not None and _uses_fsdp1(self.model):
-            self.fsdp1 = True
+        target = obj if isinstance(obj, nn.Module) else self.model
+        self.fsdp1 = target is not None and _uses_fsdp1(target)
 
     @property
     def order(self) -> int:
@@ -140,7 +148,7 @@ class StatefulAdapter:
         if self.model is not None:
             if for_load and not self.obj.state and dcp_state_dict is not None:
                 dcp_state_dict._init_optim_state(self.obj)
-            return _named_optimizer_state(self.obj, self.model)
+            return _named_optimizer_state(self.obj, self.names)
         return self.obj.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -155,7 +163,7 @@ class StatefulAdapter:
             if not _filled_in_place(module, state_dict):
                 module.load_state_dict(state_dict)
         elif self.model is not None:
-            self.obj.load_state_dict(_indexed_optimizer_state(self.obj, self.model, state_dict))
+            self.obj.load_state_dict(_indexed_optimizer_state(self.obj, self.names, state_dict))
         else:
             self.obj.load_state_dict(state_dict)
 
@@ -188,8 +196,9 @@ def _optimizer_order(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def _named_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
-    names = _param_names(model)
+def _named_optimizer_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> dict[str, Any]:
     order = [names[id(p)] for p in _optimizer_order(optimizer)]
     sd = optimizer.state_dict()
     return {
@@ -201,9 +210,8 @@ def _named_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -
 
 
 def _indexed_optimizer_state(
-    optimizer: torch.optim.Optimizer, model: nn.Module, named: dict[str, Any]
+    optimizer: torch.optim.Optimizer, names: dict[int, str], named: dict[str, Any]
 ) -> dict[str, Any]:
-    names = _param_names(model)
     index = {names[id(p)]: i for i, p in enumerate(_optimizer_order(optimizer))}
     return {
         "state": {index[n]: v for n, v in named["state"].items()},

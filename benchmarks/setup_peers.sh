@@ -26,9 +26,11 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
     "megatron-core==0.16.1" \
     "torchsnapshot==0.1.0"
 
-# Their runtime needs; torch is pinned to the version already installed.
+# Their runtime needs, and unickpt's (the benchmark jobs import it); torch is pinned to the
+# version already installed.
 "${PIP[@]}" \
     "torch==${TORCH_VERSION}" \
+    -e "$(dirname "$0")/.." \
     cachetools "grpcio==1.69.0" "mmh3>=4.1.0,<=4.2.0" "protobuf==3.20.3" universal-pathlib \
     safetensors \
     deprecated psutil pynvml \

@@ -1,7 +1,9 @@
 """The read plan: which saved chunks overlap which destination boxes.
 
 Matching uses an index per tensor (chunks sorted along their most-split dimension), so a
-destination box looks at the chunks that can overlap it, never at all of them.
+destination box looks at the chunks that can overlap it, never at all of them. The chunks of a
+tensor that is read must tile it exactly (:func:`check_chunks_tile`), so every wanted element
+comes from exactly one chunk.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import CheckpointCorruptError
 from ..format.metadata import ChunkMeta, TensorMeta
 from ..layouts.boxes import Box
+from ..layouts.coverage import cached_tiling_fault
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,12 @@ def plan_reads(
     return items
 
 
-def uncovered_elements(pieces: list[tuple[Box, torch.Tensor]], items: list[ReadItem]) -> int:
-    """How many wanted elements no saved chunk provides (0 for a sound checkpoint)."""
-    return sum(b.numel for b, _ in pieces) - sum(i.region.numel for i in items)
+def check_chunks_tile(key: str, meta: TensorMeta) -> None:
+    """Raise :class:`CheckpointCorruptError` unless the saved chunks of ``key`` hold every
+    element of the tensor exactly once (a damaged or forged index could overlap them)."""
+    fault = cached_tiling_fault(meta.shape, [c.box for c in meta.chunks])
+    if fault is not None:
+        raise CheckpointCorruptError(
+            f"the saved chunks of '{key}' (global shape {list(meta.shape)}) do not tile it: "
+            f"{fault.describe()}; the metadata is damaged. Load an earlier checkpoint."
+        )

@@ -1,20 +1,22 @@
 """The save plan: replicas written once, the writing balanced across ranks.
 
 Every rank describes what it holds (:class:`LocalPlan`); :func:`build_global_plan`, a pure
-function run identically on every rank, checks that the ranks agree, gives each distinct box
-to the least-loaded rank holding it (largest first) and lays out each rank's data file.
+function run identically on every rank, checks that ranks holding the same key agree and that
+the distinct boxes of each tensor tile it exactly, gives each distinct box to the least-loaded
+rank holding it (largest first), each plain value to the lowest rank holding it, and lays out
+each rank's data file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointMismatchError
 from ..format.dtypes import dtype_from_name, itemsize
 from ..layouts.boxes import Box
+from ..layouts.coverage import cached_tiling_fault
 
 CHUNK_ALIGN = 64
 """Chunks start at multiples of this many bytes in a data file, so any dtype views them."""
@@ -32,11 +34,16 @@ class TensorDecl:
 
 @dataclass(frozen=True)
 class LocalPlan:
-    """One rank's view of the state's structure."""
+    """One rank's view of the state's structure.
+
+    ``aliases`` maps a key to the key of the same tensor seen first in the state (tied weights):
+    the tensor is declared once, under that first key.
+    """
 
     tensors: dict[str, TensorDecl]
     value_keys: tuple[str, ...]
     per_rank_keys: tuple[str, ...]
+    aliases: dict[str, str] = field(default_factory=dict)
 
     def signature(self) -> str:
         """A digest of the structure; equal digests mean an unchanged plan."""
@@ -44,7 +51,7 @@ class LocalPlan:
         for key in sorted(self.tensors):
             t = self.tensors[key]
             h.update(repr((key, t.dtype, t.shape, t.layout, t.boxes)).encode())
-        h.update(repr((self.value_keys, self.per_rank_keys)).encode())
+        h.update(repr((self.value_keys, self.per_rank_keys, sorted(self.aliases.items()))).encode())
         return h.hexdigest()
 
 
@@ -60,13 +67,18 @@ class WriteItem:
 
 @dataclass(frozen=True)
 class GlobalPlan:
-    """Who writes what. Each rank's file layout is computed when that rank asks for it."""
+    """Who writes what. Each rank's file layout is computed when that rank asks for it.
 
-    tensors: dict[str, tuple[str, tuple[int, ...], str]]
+    ``value_writers`` names, per plain value, the rank that sends it at the commit (the lowest
+    rank holding it); ``per_rank_keys`` are those of any rank.
+    """
+
+    tensors: dict[str, TensorSpec]
     assigned: tuple[tuple[tuple[str, Box], ...], ...]
     itemsizes: dict[str, int]
-    value_keys: tuple[str, ...]
+    value_writers: dict[str, int]
     per_rank_keys: tuple[str, ...]
+    aliases: dict[str, str] = field(default_factory=dict)
     _layouts: dict[int, tuple[WriteItem, ...]] = field(default_factory=dict, compare=False)
 
     @property
@@ -81,43 +93,174 @@ class GlobalPlan:
             self._layouts[rank] = laid
         return laid
 
+    def values_of(self, rank: int) -> list[str]:
+        """The plain values ``rank`` sends at the commit."""
+        return [k for k, r in self.value_writers.items() if r == rank]
+
     def file_bytes(self, rank: int) -> int:
         return sum(math.prod(b.lengths) * self.itemsizes[k] for k, b in self.assigned[rank])
 
 
+TensorSpec = tuple[str, tuple[int, ...], str]
+"""(dtype, global shape, layout) of a tensor."""
+
+
+@dataclass(frozen=True)
+class Holders:
+    """The ranks holding each distinct (key, box), and the distinct boxes of each key."""
+
+    ranks: dict[tuple[str, Box], list[int]]
+    boxes: dict[str, list[Box]]
+
+
 def build_global_plan(plans: list[LocalPlan]) -> GlobalPlan:
-    """Check agreement, dedup replicas, balance writers, lay out files. Same result everywhere."""
-    _check_same_keys(plans)
-    tensors = _check_same_tensors(plans)
-    holders: dict[tuple[str, Box], list[int]] = {}
-    for rank, plan in enumerate(plans):
-        for key, decl in plan.tensors.items():
-            for box in decl.boxes:
-                found = holders.get((key, box))
-                if found is None:
-                    holders[(key, box)] = [rank]
-                else:
-                    found.append(rank)
-    _check_coverage(tensors, holders)
+    """Check agreement, dedup replicas, balance writers, lay out files. Same result everywhere.
+
+    Ranks may hold different keys (pipeline stages, experts, per-rank loader states): a key is
+    written by the ranks that hold it. Ranks holding the same key must agree on what it is.
+    """
+    tensors, holders = _collect_tensors(plans)
+    value_writers, per_rank_keys = _collect_values(plans, tensors)
+    aliases = _collect_aliases(plans, tensors, value_writers, per_rank_keys)
+    _check_tiling(tensors, holders)
     sizes = {k: itemsize(dtype_from_name(d)) for k, (d, _, _) in tensors.items()}
     assigned = _balance(holders, sizes, len(plans))
     return GlobalPlan(
         tensors,
         tuple(tuple(a) for a in assigned),
         sizes,
-        plans[0].value_keys,
-        plans[0].per_rank_keys,
+        value_writers,
+        per_rank_keys,
+        aliases,
     )
 
 
-def _balance(
-    holders: dict[tuple[str, Box], list[int]], sizes: dict[str, int], world: int
-) -> list[list[tuple[str, Box]]]:
+_KINDS = {
+    "replicated": "a plain tensor",
+    "dtensor": "a DTensor",
+    "sharded": "a ShardedTensor block",
+    "flat": "a FlatShard range",
+}
+
+
+def _describe(dtype: str, shape: tuple[int, ...], layout: str) -> str:
+    return f"{_KINDS.get(layout, layout)} {dtype}{list(shape)}"
+
+
+def _collect_tensors(plans: list[LocalPlan]) -> tuple[dict[str, TensorSpec], Holders]:
+    """Every tensor of any rank, checked against its first holder; the holders of each box."""
+    tensors: dict[str, TensorSpec] = {}
+    first: dict[str, int] = {}
+    holders = Holders({}, {})
+    for rank, plan in enumerate(plans):
+        for key, decl in plan.tensors.items():
+            known = tensors.get(key)
+            if known is None:
+                tensors[key] = (decl.dtype, decl.shape, decl.layout)
+                first[key] = rank
+                holders.boxes[key] = []
+            elif known[1] != decl.shape or known[0] != decl.dtype or known[2] != decl.layout:
+                spec = (decl.dtype, decl.shape, decl.layout)
+                raise CheckpointMismatchError(
+                    f"'{key}' is {_describe(*spec)} on rank {rank} but {_describe(*known)} on "
+                    f"rank {first[key]}; ranks holding the same key must describe the same "
+                    "global tensor (same kind, dtype and global shape). Rename one of them if "
+                    "they are different tensors."
+                )
+            for box in decl.boxes:
+                ranks = holders.ranks.setdefault((key, box), [])
+                if not ranks:
+                    holders.boxes[key].append(box)
+                ranks.append(rank)
+    return tensors, holders
+
+
+def _collect_values(
+    plans: list[LocalPlan], tensors: dict[str, TensorSpec]
+) -> tuple[dict[str, int], tuple[str, ...]]:
+    """The lowest rank holding each plain value, and every per-rank key; kinds must agree."""
+    writers: dict[str, int] = {}
+    per_rank: dict[str, int] = {}
+    for rank, plan in enumerate(plans):
+        for key in plan.value_keys:
+            writers.setdefault(key, rank)
+        for key in plan.per_rank_keys:
+            per_rank.setdefault(key, rank)
+    for key, rank in writers.items():
+        if key in tensors:
+            _kind_clash(key, "a plain value", rank, "a tensor", _first_tensor_rank(plans, key))
+        if key in per_rank:
+            _kind_clash(key, "a plain value", rank, "a unickpt.PerRank value", per_rank[key])
+    for key, rank in per_rank.items():
+        if key in tensors:
+            _kind_clash(key, "a PerRank value", rank, "a tensor", _first_tensor_rank(plans, key))
+    return writers, tuple(sorted(per_rank))
+
+
+def _first_tensor_rank(plans: list[LocalPlan], key: str) -> int:
+    return next(r for r, p in enumerate(plans) if key in p.tensors)
+
+
+def _kind_clash(key: str, kind: str, rank: int, other: str, other_rank: int) -> None:
+    raise CheckpointMismatchError(
+        f"'{key}' is {kind} on rank {rank} but {other} on rank {other_rank}; a key must be the "
+        "same kind of leaf on every rank that holds it. Rename one of them."
+    )
+
+
+def _collect_aliases(
+    plans: list[LocalPlan],
+    tensors: dict[str, TensorSpec],
+    values: dict[str, int],
+    per_rank: tuple[str, ...],
+) -> dict[str, str]:
+    """Tied keys of every rank: each names the same first key everywhere, and is no leaf."""
+    aliases: dict[str, str] = {}
+    origin: dict[str, int] = {}
+    others = set(values) | set(per_rank)
+    for rank, plan in enumerate(plans):
+        for key, target in plan.aliases.items():
+            known = aliases.setdefault(key, target)
+            origin.setdefault(key, rank)
+            if known != target:
+                raise CheckpointMismatchError(
+                    f"'{key}' is tied to '{target}' on rank {rank} but to '{known}' on rank "
+                    f"{origin[key]}; tie the same weights on every rank."
+                )
+            if key in tensors or key in others:
+                raise CheckpointMismatchError(
+                    f"'{key}' is tied to '{target}' on rank {rank} (one tensor under two keys) "
+                    "but is a separate leaf on another rank; tie the same weights on every rank."
+                )
+    return aliases
+
+
+def _check_tiling(tensors: dict[str, TensorSpec], holders: Holders) -> None:
+    """The distinct boxes of each tensor hold every element exactly once."""
+    for key, boxes in holders.boxes.items():
+        shape = tensors[key][1]
+        fault = cached_tiling_fault(shape, boxes)
+        if fault is None:
+            continue
+        held = sorted(
+            {r for b in boxes if b.intersect(fault.region) for r in holders.ranks[(key, b)]}
+        )
+        shown = ", ".join(str(r) for r in held[:8]) + (" ..." if len(held) > 8 else "")
+        whose = f" (shards of ranks {shown})" if held else ""
+        raise CheckpointMismatchError(
+            f"the shards of '{key}' (global shape {list(shape)}) do not tile it: "
+            f"{fault.describe()}{whose}. Check the offsets and global shapes passed on each "
+            "rank: the distinct shards (replicas count once) must cover the tensor without gaps "
+            "or overlaps."
+        )
+
+
+def _balance(holders: Holders, sizes: dict[str, int], world: int) -> list[list[tuple[str, Box]]]:
     """Single-holder boxes go to their holder; replicas to the least-loaded, largest first."""
     load = [0] * world
     out: list[list[tuple[str, Box]]] = [[] for _ in range(world)]
     shared = []
-    for kb, ranks in holders.items():
+    for kb, ranks in holders.ranks.items():
         if len(ranks) == 1:
             out[ranks[0]].append(kb)
         else:
@@ -127,7 +270,7 @@ def _balance(
             load[rank] = sum(math.prod(b.lengths) * sizes[k] for k, b in items)
     shared.sort(key=lambda kb: (-kb[1].numel * sizes[kb[0]], kb[0], kb[1].offsets))
     for key, box in shared:
-        rank = min(holders[(key, box)], key=lambda r: (load[r], r))
+        rank = min(holders.ranks[(key, box)], key=lambda r: (load[r], r))
         load[rank] += box.numel * sizes[key]
         out[rank].append((key, box))
     return out
@@ -144,62 +287,6 @@ def _layout_file(
         laid.append(WriteItem(key, box, offset, nbytes))
         offset += nbytes
     return tuple(laid)
-
-
-def _check_same_keys(plans: list[LocalPlan]) -> None:
-    per_rank = [
-        set(p.tensors) | set(p.value_keys) | {f"{k} (per-rank)" for k in p.per_rank_keys}
-        for p in plans
-    ]
-    union = set().union(*per_rank)
-    problems = []
-    for rank, keys in enumerate(per_rank):
-        missing = sorted(union - keys)
-        if missing:
-            problems.append(f"rank {rank} lacks {_few(missing)}")
-    if problems:
-        raise CheckpointMismatchError(
-            "the ranks' states have different keys: " + "; ".join(problems) + ". Every rank must "
-            "pass the same structure (wrap values that exist on some ranks only in "
-            "unickpt.PerRank)."
-        )
-
-
-def _check_same_tensors(plans: list[LocalPlan]) -> dict[str, tuple[str, tuple[int, ...], str]]:
-    first = plans[0].tensors
-    for rank, plan in enumerate(plans[1:], start=1):
-        for key, decl in plan.tensors.items():
-            ref = first[key]
-            if (decl.dtype, decl.shape, decl.layout) != (ref.dtype, ref.shape, ref.layout):
-                raise CheckpointMismatchError(
-                    f"'{key}' is {decl.dtype}{list(decl.shape)} ({decl.layout}) on rank {rank} "
-                    f"but {ref.dtype}{list(ref.shape)} ({ref.layout}) on rank 0; every rank must "
-                    "describe the same global tensor."
-                )
-    return {k: (d.dtype, d.shape, d.layout) for k, d in first.items()}
-
-
-def _check_coverage(
-    tensors: dict[str, tuple[str, tuple[int, ...], str]],
-    holders: dict[tuple[str, Box], list[int]],
-) -> None:
-    covered: dict[str, int] = defaultdict(int)
-    for key, box in holders:
-        covered[key] += math.prod(box.lengths)
-    for key, (_, shape, _) in tensors.items():
-        total = math.prod(shape)
-        if covered[key] != total:
-            raise CheckpointMismatchError(
-                f"the shards of '{key}' (global shape {list(shape)}) cover {covered[key]} "
-                f"elements counting each distinct shard once, but the tensor has {total}; check "
-                "the offsets and global shapes passed on each rank (shards must tile the tensor "
-                "without gaps or overlaps)."
-            )
-
-
-def _few(keys: list[str], n: int = 5) -> str:
-    shown = ", ".join(repr(k) for k in keys[:n])
-    return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
 def rank_loads(plan: GlobalPlan) -> list[int]:

@@ -9,6 +9,7 @@ each rank's data file.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -69,12 +70,14 @@ class WriteItem:
 class GlobalPlan:
     """Who writes what. Each rank's file layout is computed when that rank asks for it.
 
+    ``written_keys[r]`` and ``written_boxes[r]`` (parallel) are the boxes rank ``r`` writes.
     ``value_writers`` names, per plain value, the rank that sends it at the commit (the lowest
     rank holding it); ``per_rank_keys`` are those of any rank.
     """
 
     tensors: dict[str, TensorSpec]
-    assigned: tuple[tuple[tuple[str, Box], ...], ...]
+    written_keys: tuple[tuple[str, ...], ...]
+    written_boxes: tuple[tuple[Box, ...], ...]
     itemsizes: dict[str, int]
     value_writers: dict[str, int]
     per_rank_keys: tuple[str, ...]
@@ -83,13 +86,13 @@ class GlobalPlan:
 
     @property
     def world_size(self) -> int:
-        return len(self.assigned)
+        return len(self.written_keys)
 
     def writes(self, rank: int) -> tuple[WriteItem, ...]:
         """The items ``rank`` writes, laid out in its file (sorted by key, then offsets)."""
         laid = self._layouts.get(rank)
         if laid is None:
-            laid = _layout_file(self.assigned[rank], self.itemsizes)
+            laid = _layout_file(self.assigned(rank), self.itemsizes)
             self._layouts[rank] = laid
         return laid
 
@@ -98,19 +101,29 @@ class GlobalPlan:
         return [k for k, r in self.value_writers.items() if r == rank]
 
     def file_bytes(self, rank: int) -> int:
-        return sum(math.prod(b.lengths) * self.itemsizes[k] for k, b in self.assigned[rank])
+        return sum(b.numel * self.itemsizes[k] for k, b in self.assigned(rank))
+
+    def assigned(self, rank: int) -> list[tuple[str, Box]]:
+        """The (key, box) pairs ``rank`` writes, in no particular order."""
+        return list(zip(self.written_keys[rank], self.written_boxes[rank]))
 
 
 TensorSpec = tuple[str, tuple[int, ...], str]
 """(dtype, global shape, layout) of a tensor."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class Holders:
-    """The ranks holding each distinct (key, box), and the distinct boxes of each key."""
+    """The distinct boxes of one tensor, each with the rank holding it (an int) or the ranks
+    holding it (a list, for replicas); ``coords``: the offsets and lengths of each distinct box
+    in the order first seen, packed (the key under which its tiling check is remembered)."""
 
-    ranks: dict[tuple[str, Box], list[int]]
-    boxes: dict[str, list[Box]]
+    ranks: dict[Box, int | list[int]] = field(default_factory=dict)
+    coords: array.array = field(default_factory=lambda: array.array("q"))
+
+    def of(self, box: Box) -> list[int]:
+        held = self.ranks[box]
+        return [held] if isinstance(held, int) else held
 
 
 def build_global_plan(plans: list[LocalPlan]) -> GlobalPlan:
@@ -124,10 +137,11 @@ def build_global_plan(plans: list[LocalPlan]) -> GlobalPlan:
     aliases = _collect_aliases(plans, tensors, value_writers, per_rank_keys)
     _check_tiling(tensors, holders)
     sizes = {k: itemsize(dtype_from_name(d)) for k, (d, _, _) in tensors.items()}
-    assigned = _balance(holders, sizes, len(plans))
+    keys, boxes = _balance(holders, sizes, len(plans))
     return GlobalPlan(
         tensors,
-        tuple(tuple(a) for a in assigned),
+        tuple(map(tuple, keys)),
+        tuple(map(tuple, boxes)),
         sizes,
         value_writers,
         per_rank_keys,
@@ -147,31 +161,42 @@ def _describe(dtype: str, shape: tuple[int, ...], layout: str) -> str:
     return f"{_KINDS.get(layout, layout)} {dtype}{list(shape)}"
 
 
-def _collect_tensors(plans: list[LocalPlan]) -> tuple[dict[str, TensorSpec], Holders]:
-    """Every tensor of any rank, checked against its first holder; the holders of each box."""
+def _collect_tensors(plans: list[LocalPlan]) -> tuple[dict[str, TensorSpec], dict[str, Holders]]:
+    """Every tensor of any rank, checked against its first holder; the holders of each box.
+
+    The loop runs once per box of every rank (millions at scale): it allocates nothing per box
+    but a dict slot, and packs each new box's coordinates while the box is in cache.
+    """
     tensors: dict[str, TensorSpec] = {}
     first: dict[str, int] = {}
-    holders = Holders({}, {})
+    holders: dict[str, Holders] = {}
     for rank, plan in enumerate(plans):
         for key, decl in plan.tensors.items():
+            spec = (decl.dtype, decl.shape, decl.layout)
             known = tensors.get(key)
             if known is None:
-                tensors[key] = (decl.dtype, decl.shape, decl.layout)
+                tensors[key] = spec
                 first[key] = rank
-                holders.boxes[key] = []
-            elif known[1] != decl.shape or known[0] != decl.dtype or known[2] != decl.layout:
-                spec = (decl.dtype, decl.shape, decl.layout)
+                entry = holders[key] = Holders()
+            elif known != spec:
                 raise CheckpointMismatchError(
                     f"'{key}' is {_describe(*spec)} on rank {rank} but {_describe(*known)} on "
                     f"rank {first[key]}; ranks holding the same key must describe the same "
                     "global tensor (same kind, dtype and global shape). Rename one of them if "
                     "they are different tensors."
                 )
+            else:
+                entry = holders[key]
+            hold, coords = entry.ranks.setdefault, entry.coords
             for box in decl.boxes:
-                ranks = holders.ranks.setdefault((key, box), [])
-                if not ranks:
-                    holders.boxes[key].append(box)
-                ranks.append(rank)
+                held = hold(box, rank)
+                if held is rank:
+                    coords.extend(box.offsets)
+                    coords.extend(box.lengths)
+                elif isinstance(held, int):
+                    entry.ranks[box] = [held, rank]
+                else:
+                    held.append(rank)
     return tensors, holders
 
 
@@ -235,16 +260,14 @@ def _collect_aliases(
     return aliases
 
 
-def _check_tiling(tensors: dict[str, TensorSpec], holders: Holders) -> None:
+def _check_tiling(tensors: dict[str, TensorSpec], holders: dict[str, Holders]) -> None:
     """The distinct boxes of each tensor hold every element exactly once."""
-    for key, boxes in holders.boxes.items():
+    for key, entry in holders.items():
         shape = tensors[key][1]
-        fault = cached_tiling_fault(shape, boxes)
+        fault = cached_tiling_fault(shape, list(entry.ranks), entry.coords.tobytes())
         if fault is None:
             continue
-        held = sorted(
-            {r for b in boxes if b.intersect(fault.region) for r in holders.ranks[(key, b)]}
-        )
+        held = sorted({r for b in entry.ranks if b.intersect(fault.region) for r in entry.of(b)})
         shown = ", ".join(str(r) for r in held[:8]) + (" ..." if len(held) > 8 else "")
         whose = f" (shards of ranks {shown})" if held else ""
         raise CheckpointMismatchError(
@@ -255,30 +278,35 @@ def _check_tiling(tensors: dict[str, TensorSpec], holders: Holders) -> None:
         )
 
 
-def _balance(holders: Holders, sizes: dict[str, int], world: int) -> list[list[tuple[str, Box]]]:
-    """Single-holder boxes go to their holder; replicas to the least-loaded, largest first."""
-    load = [0] * world
-    out: list[list[tuple[str, Box]]] = [[] for _ in range(world)]
-    shared = []
-    for kb, ranks in holders.ranks.items():
-        if len(ranks) == 1:
-            out[ranks[0]].append(kb)
-        else:
-            shared.append(kb)
-    if shared:
-        for rank, items in enumerate(out):
-            load[rank] = sum(math.prod(b.lengths) * sizes[k] for k, b in items)
-    shared.sort(key=lambda kb: (-kb[1].numel * sizes[kb[0]], kb[0], kb[1].offsets))
-    for key, box in shared:
-        rank = min(holders.ranks[(key, box)], key=lambda r: (load[r], r))
+def _balance(
+    holders: dict[str, Holders], sizes: dict[str, int], world: int
+) -> tuple[list[list[str]], list[list[Box]]]:
+    """The keys and boxes each rank writes: a box held by one rank goes to it, replicas to the
+    least-loaded of their holders, largest first. (Parallel lists rather than pairs: at scale,
+    millions of pairs would cost more in allocation and garbage collection than the rest.)"""
+    keys: list[list[str]] = [[] for _ in range(world)]
+    boxes: list[list[Box]] = [[] for _ in range(world)]
+    shared: list[tuple[str, Box, list[int]]] = []
+    for key, entry in holders.items():
+        for box, held in entry.ranks.items():
+            if isinstance(held, int):
+                keys[held].append(key)
+                boxes[held].append(box)
+            else:
+                shared.append((key, box, held))
+    if not shared:
+        return keys, boxes
+    load = [sum(b.numel * sizes[k] for k, b in zip(keys[r], boxes[r])) for r in range(world)]
+    shared.sort(key=lambda kbr: (-kbr[1].numel * sizes[kbr[0]], kbr[0], kbr[1].offsets))
+    for key, box, ranks in shared:
+        rank = min(ranks, key=lambda r: (load[r], r))
         load[rank] += box.numel * sizes[key]
-        out[rank].append((key, box))
-    return out
+        keys[rank].append(key)
+        boxes[rank].append(box)
+    return keys, boxes
 
 
-def _layout_file(
-    items: tuple[tuple[str, Box], ...], sizes: dict[str, int]
-) -> tuple[WriteItem, ...]:
+def _layout_file(items: list[tuple[str, Box]], sizes: dict[str, int]) -> tuple[WriteItem, ...]:
     offset = 0
     laid = []
     for key, box in sorted(items, key=lambda kb: (kb[0], kb[1].offsets)):

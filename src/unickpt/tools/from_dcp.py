@@ -29,7 +29,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    UnsafeObjectError,
+)
+from ..storage.registry import is_local, local_path
 from .dcp_common import METADATA_FILE, nest_by_paths, single_process
 from .imports import save_imported, with_prefix
 from .output import check_distinct
@@ -81,8 +87,8 @@ def import_dcp(
     >>> import_dcp("dcp/step-100", "ckpt/step-100")  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    src_path, dst_path = Path(src), Path(dst)
-    check_distinct(src_path, dst_path)
+    src_path = Path(src)
+    check_distinct(src_path, dst)
     meta = read_dcp_metadata(src_path)
     tensors = {
         k: m for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
@@ -92,8 +98,7 @@ def import_dcp(
     ]
     values = _load_values(src_path, value_keys, allow_pickle)
     scale = sum(_nbytes(m) for m in tensors.values())
-    dst_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{dst_path.name}.", dir=dst_path.parent) as scratch:
+    with tempfile.TemporaryDirectory(prefix=".unickpt-import.", dir=_scratch_dir(dst)) as scratch:
         spool = Spool(Path(scratch) / "tensors.bin")
         _spool_tensors(src_path, tensors, spool, group_bytes, _half(progress, 0, scale))
         flat = {**spool.tensors(), **values}
@@ -101,13 +106,23 @@ def import_dcp(
         return save_imported(
             state,
             src_path,
-            dst_path,
+            dst,
             "dcp",
             allow_pickle=allow_pickle,
             overwrite=overwrite,
             started_s=t0,
             progress=_half(progress, 1, scale),
         )
+
+
+def _scratch_dir(dst: str | os.PathLike[str]) -> str | None:
+    """Beside a local destination (the same disk, which has room for the checkpoint); the
+    system's temporary folder for a URL."""
+    if not is_local(dst):
+        return None
+    parent = Path(local_path(dst)).absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    return str(parent)
 
 
 def _half(progress: ProgressFn | None, which: int, scale: int) -> ProgressFn | None:
@@ -138,10 +153,14 @@ def _load_values(src: Path, keys: list[str], allow_pickle: bool) -> dict[str, An
     if not keys:
         return {}
     state: dict[str, Any] = dict.fromkeys(keys)
-    with single_process():
+    with single_process(_damaged(src), CheckpointCorruptError):
         reader = FileSystemReader(src)
         dcp.load(state, storage_reader=reader, planner=_ValuePlanner(allow_pickle), no_dist=True)
     return state
+
+
+def _damaged(src: Path) -> str:
+    return f"{src} could not be read by DCP; the checkpoint is damaged or incomplete"
 
 
 def _groups(
@@ -176,7 +195,7 @@ def _spool_tensors(
     for group in _groups(tensors, group_bytes):
         part = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in group}
         planner = DefaultLoadPlanner(allow_partial_load=True)
-        with single_process():
+        with single_process(_damaged(src), CheckpointCorruptError):
             dcp.load(part, storage_reader=FileSystemReader(src), planner=planner, no_dist=True)
         for key, tensor in part.items():
             spool.add(key, tensor)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import torch
 
 import unickpt
 from unickpt.cli.main import main
+from unickpt.storage import open_storage
+from unickpt.tools.convert import ConvertOptions, import_checkpoint
 
 from ..tools.helpers import save_sample
 
@@ -101,11 +104,22 @@ def test_a_failed_import_leaves_nothing(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["convert", str(tmp_path / "dcp"), str(target), "--from", "dcp"]) == 2
     assert "could not be read by DCP" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
-    # into an existing folder: the files the failed import wrote are removed, the rest stays
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_save_that_fails_midway_in_an_import_leaves_nothing(tmp_path: Path) -> None:
+    """The save starts (lock, folder, data file) and fails on a tensor without data: what it
+    wrote goes, what was there stays, a URL's folder goes."""
+    torch.save({"w": torch.empty(3, device="meta"), "v": torch.ones(2)}, tmp_path / "m.pt")
     (tmp_path / "keep").mkdir()
     (tmp_path / "keep" / "notes.txt").write_text("mine")
-    assert main(["convert", str(tmp_path / "dcp"), str(tmp_path / "keep"), "--from", "dcp"]) == 2
+    url = f"memory://import-{uuid.uuid4().hex[:8]}"
+    for dst in (str(tmp_path / "keep"), str(tmp_path / "new" / "x"), f"{url}/x"):
+        with pytest.raises((NotImplementedError, unickpt.CheckpointError)):
+            import_checkpoint(tmp_path / "m.pt", dst, "torch", ConvertOptions())
     assert os.listdir(tmp_path / "keep") == ["notes.txt"]
+    assert not (tmp_path / "new").exists()
+    assert open_storage(url).list_names() == []
 
 
 class Guarded:

@@ -207,7 +207,7 @@ class LocalStorage(Storage):
         path = self._path(name)
         try:
             shutil.rmtree(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             pass
         except OSError as e:
             raise _os_error(e, f"deleting {path}") from e

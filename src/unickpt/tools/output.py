@@ -30,20 +30,26 @@ def check_distinct(src: Location, dst: Location) -> None:
 @contextmanager
 def nothing_left_on_failure(dst: Location) -> Iterator[None]:
     """When the block fails, remove what it created at ``dst``: the files and folders that were
-    not there before (and, for a local path, the missing parent folders made for it)."""
+    not there before, and the folders made for it (a local path's missing parents; a URL's
+    folder when it held nothing, which on object stores is the same as not existing)."""
     storage = open_storage(dst)
     before = set(storage.list_names())
     new_root = _first_missing(Path(local_path(_text(dst)))) if is_local(dst) else None
     try:
         yield
     except BaseException:
-        if new_root is not None:
-            _remove_path(new_root)
-        else:
-            for name in sorted(set(storage.list_names()) - before):
-                log.debug("removing %s/%s left by a failed conversion", storage.location, name)
-                storage.remove(name)
-                storage.remove_tree(name)
+        try:
+            if new_root is not None:
+                _remove_path(new_root)
+            elif not before and not is_local(dst):
+                parent, _, name = storage.location.rstrip("/").rpartition("/")
+                open_storage(parent).remove_tree(name)
+            else:
+                for name in sorted(set(storage.list_names()) - before):
+                    storage.remove(name)
+                    storage.remove_tree(name)
+        except CheckpointError as e:
+            log.warning("could not remove what a failed conversion left at %s (%s)", dst, e)
         raise
 
 

@@ -58,7 +58,11 @@ def write_file(
     ``progress(bytes_written, bytes_total)`` is called as each part lands.
     """
     rules = PartRules(
-        config.window_bytes, config.segment_bytes, config.small_chunk_bytes, storage.min_part_bytes
+        target_bytes=config.window_bytes,
+        segment_bytes=config.segment_bytes,
+        small_bytes=config.small_chunk_bytes,
+        min_bytes=storage.min_part_bytes,
+        max_parts=storage.max_parts,
     )
     extents = [(i.byte_offset, i.nbytes) for i in items]
     parts = plan_parts(extents, [s.direct for s in sources], rules)

@@ -62,12 +62,13 @@ class WriteHandle(ABC):
     """One data file being written as numbered parts that tile it exactly.
 
     Part ``i`` holds bytes ``[offsets[i], offsets[i] + part_sizes[i])``. Every part but the last
-    has at least the backend's ``min_part_bytes``. The engine calls :meth:`write_part` once per
-    part, from several threads at once, handing parts out in index order (so a backend that
-    must write in order may make a later part wait for earlier ones without deadlock); then
-    :meth:`complete` once, from one thread, after every ``write_part`` returned. On failure it
-    calls :meth:`abort`, possibly while other ``write_part`` calls are in flight: those return
-    promptly (raising), and the backend's :meth:`_discard` runs once the last of them has.
+    has at least the backend's ``min_part_bytes``; there are at most ``max_parts``. The engine
+    calls :meth:`write_part` once per part, from several threads at once, handing parts out in
+    index order (so a backend that must write in order may make a later part wait for earlier
+    ones without deadlock); then :meth:`complete` once, from one thread, after every
+    ``write_part`` returned. On failure it calls :meth:`abort`, possibly while other
+    ``write_part`` calls are in flight: those return promptly (raising), and the backend's
+    :meth:`_discard` runs once the last of them has.
 
     Backends implement :meth:`_write_part`, :meth:`_complete` and :meth:`_discard`.
     """
@@ -148,6 +149,9 @@ class Storage(ABC):
 
     min_part_bytes: int = 0
     """The smallest part a data file may be cut into, except its last (object stores: 5 MiB)."""
+
+    max_parts: int | None = None
+    """The most parts a data file may have (S3: 10,000); parts grow to stay within it."""
 
     @property
     @abstractmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401 - registers its exit hook first
+import dataclasses
 import logging
 import os
 import threading
@@ -288,7 +289,7 @@ def load(
     wait_pending()
     cfg = config or get_config()
     if verify is not None and verify != cfg.verify:
-        cfg = get_config(verify=verify)
+        cfg = dataclasses.replace(cfg, verify=verify)
     comm = Comm(group, cfg.collective_timeout_s)
     storage = storage_for(path)
     try:

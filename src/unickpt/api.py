@@ -23,7 +23,7 @@ from .engine.futures import SaveFuture
 from .engine.hold import hold_steps
 from .engine.loader import LoadReport
 from .engine.loader import load as _load
-from .engine.staging import ARENA, snapshot
+from .engine.staging import ARENA, snapshot, stream_marker
 from .engine.write import ItemSource
 from .planning.capture import Capture, capture
 from .storage.base import Storage
@@ -177,6 +177,7 @@ def _deferred_save(
     comm = Comm(group, cfg.collective_timeout_s)  # may create a group: all ranks, this thread
     storage = storage_for(path)
     captured = capture(state)
+    marker = stream_marker()  # CUDA: the copy starts after the caller's queued kernels
     hold_steps(fut)
     with _PENDING_LOCK:
         earlier = [f for f in _PENDING if not f.done()]
@@ -188,6 +189,8 @@ def _deferred_save(
             for previous in earlier:  # one save at a time: they share the staging memory
                 previous.wait_done()
             prep = saver.prepare(comm, storage, captured.state, allow_pickle, overwrite)
+            if marker is not None:
+                marker.synchronize()
             check: Callable[[], None] | None
             if prep.nbytes > cfg.staging_budget_bytes:
                 # Streamed from the live tensors: the steps wait for the whole write.

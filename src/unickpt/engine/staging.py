@@ -63,6 +63,19 @@ def _pool(threads: int) -> ThreadPoolExecutor:
         return _POOL[2]
 
 
+def stream_marker() -> torch.cuda.Event | None:
+    """A CUDA event recorded now on the caller's current stream (None without CUDA work).
+
+    A copy made later from another thread runs on that thread's stream; waiting for the marker
+    first means every kernel the caller had queued before the call has run.
+    """
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 def needs_pinned(views: Sequence[torch.Tensor]) -> bool:
     return any(v.device.type == "cuda" for v in views) and torch.cuda.is_available()
 

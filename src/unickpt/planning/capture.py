@@ -16,6 +16,9 @@ moment of the call, :func:`capture` does, in the call:
   per tensor; for a DTensor two: its own, which DTensor operations move, and its local
   shard's, which operations on the shard move).
 
+The copies made in the call are the extra memory of the call (on each tensor's device); they
+are freed when the save ends.
+
 Every optimizer step of the process waits for the copy (:mod:`unickpt.engine.hold`). Any other
 in-place change of a tensor kept by reference, between the call and the end of its copy, moves
 a version counter: :meth:`Capture.check` then fails the save with a :class:`CheckpointError`

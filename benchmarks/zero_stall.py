@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         for i, name in enumerate(("plain_s", "with_save_s", "call_s", "step_wait_s", "step_s"))
     }
     med["extra_s"] = statistics.median(saving - plain for plain, saving, *_ in rows)
+    extras = [round(saving - plain, 4) for plain, saving, *_ in rows]
     out = {"params": args.params, "world": args.world, "rounds": len(rows), "median": med}
+    out["extra_s_per_round"] = extras
     print(json.dumps(out, indent=2))
     return 0
 

@@ -42,7 +42,7 @@ def _state() -> dict[str, Any]:
         "tied": {"a": big, "b": big},
         "block": unickpt.ShardedTensor(torch.zeros(200, 100), (400, 100), (200, 0)),
         "flat": unickpt.FlatShard(torch.zeros(10), (4, 6), 7),
-        "value": (torch.zeros(2), "x"),
+        "value": (torch.zeros(2), "x", {"loss": torch.ones(2, requires_grad=True) * 2}),
         "rng": unickpt.PerRank(torch.zeros(4, dtype=torch.uint8)),
         "empty": {},
         "step": 3,
@@ -89,6 +89,7 @@ def test_buffers_small_tensors_and_values_are_copied_large_ones_kept() -> None:
     assert holder["norm"]["running_var"].nbytes > COPY_IN_CALL_BYTES  # copied as a buffer
     assert cap.state["tied"]["a"] is cap.state["tied"]["b"] is state["tied"]["a"]
     assert cap.state["value"][0] is not state["value"][0]  # inside a value: deep-copied
+    assert torch.equal(cap.state["value"][2]["loss"], torch.full((2,), 2.0))
     assert cap.state["rng"].value is not state["rng"].value
     assert cap.state["flat"].local is not state["flat"].local  # a small shard
     assert cap.state["block"] is state["block"]

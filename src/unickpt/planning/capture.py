@@ -110,7 +110,8 @@ class Capture:
 def capture(state: dict[str, Any]) -> Capture:
     """``state`` as it is now, safe to flatten and copy later; see the module docstring."""
     capturer = _Capturer(collect_modules(state))
-    captured = capturer.walk_dict(state, "")
+    with torch.no_grad():  # once: entering it costs more than copying a small tensor
+        captured = capturer.walk_dict(state, "")
     return Capture(captured, capturer.watched, frozenset(capturer.copied))
 
 
@@ -120,7 +121,7 @@ class _Capturer:
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.modules = modules
-        self.buffers: set[tuple[torch.device, int]] = set()  # by address: state dicts detach
+        self.buffers: set[int] = set()  # addresses: state dicts hold detached aliases
         for m in modules:
             self.add_buffers(m)
         self.watched: dict[str, _Watch] = {}
@@ -128,7 +129,7 @@ class _Capturer:
         self.copies: dict[int, torch.Tensor] = {}  # a tensor under two keys stays one tensor
 
     def add_buffers(self, module: nn.Module) -> None:
-        self.buffers.update(_address(b) for b in module.buffers())
+        self.buffers.update(_address(b) for b in module.buffers() if b.numel())
 
     def walk_dict(self, d: dict[Any, Any], prefix: str) -> dict[Any, Any]:
         return {k: self.visit(v, f"{prefix}{k}") for k, v in d.items()}
@@ -163,28 +164,36 @@ class _Capturer:
     def tensor(self, t: torch.Tensor, key: str) -> torch.Tensor:
         dtensor = is_dtensor(t)
         local = local_tensor(t) if dtensor else t
-        small = not dtensor and local.nbytes <= COPY_IN_CALL_BYTES
-        buffer = _address(t) in self.buffers
-        if small or buffer or t.is_inference() or local.is_inference():
-            self.copied.add(key)
-            return self.copy(t)
-        # DTensor operations move the DTensor's own counter (shared by its detached aliases);
-        # operations on the local shard move the local tensor's.
-        watch = (t, local) if dtensor else (t,)
-        self.watched[key] = tuple((w, w._version) for w in watch)
+        if not dtensor and local.nbytes <= COPY_IN_CALL_BYTES:
+            return self.copy(t, key)
+        if self.buffers and local.data_ptr() in self.buffers:
+            return self.copy(t, key)
+        try:
+            # DTensor operations move the DTensor's own counter (shared by its detached
+            # aliases); operations on the local shard move the local tensor's.
+            watch = (t, local) if dtensor else (t,)
+            self.watched[key] = tuple((w, w._version) for w in watch)
+        except RuntimeError:  # no version counter: created in inference mode
+            return self.copy(t, key)
         return t
 
-    def copy(self, t: torch.Tensor) -> torch.Tensor:
+    def copy(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        self.copied.add(key)
         found = self.copies.get(id(t))
         if found is None:
-            with torch.no_grad():
-                found = self.copies[id(t)] = t.detach().clone()
+            found = self.copies[id(t)] = t.detach().clone()
         return found
 
     def plain(self, value: Any, key: str) -> Any:
         """A value stored whole (encoded later): a private copy of it."""
         if isinstance(value, _IMMUTABLE):
             return value
+        if isinstance(value, torch.Tensor):
+            return value.detach().clone()  # deepcopy refuses tensors with a graph
+        if type(value) in (list, tuple):
+            return type(value)(self.plain(v, key) for v in value)
+        if type(value) is dict:
+            return {k: self.plain(v, key) for k, v in value.items()}
         try:
             return copy.deepcopy(value)
         except Exception as e:
@@ -195,7 +204,7 @@ class _Capturer:
             ) from e
 
 
-def _address(t: torch.Tensor) -> tuple[torch.device, int]:
-    """Where a tensor's first element lies; the same for a tensor and its detached aliases."""
-    local = local_tensor(t) if is_dtensor(t) else t
-    return local.device, local.data_ptr()
+def _address(t: torch.Tensor) -> int:
+    """Where a tensor's first element lies; the same for a tensor and its detached aliases
+    (unique across devices: CUDA and host memory share one virtual address space)."""
+    return (local_tensor(t) if is_dtensor(t) else t).data_ptr()

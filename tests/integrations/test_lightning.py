@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("lightning", reason="needs Lightning: pip install 'unickpt[lightning]'")
 
 from tests.distributed import run_ranks
+from unickpt.tools import inspect_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -97,3 +98,70 @@ def test_ddp_fit_stop_resume_through_unickpt(tmp_path: Path) -> None:
         assert r["lr"] == pytest.approx([1e-2 * 0.9**2])
         assert r["param_keys"] == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
     assert (tmp_path / "run" / "last.ckpt" / "COMMIT").is_file()
+
+
+def _sharded_module() -> Any:
+    import lightning as L
+    from torch.distributed.fsdp import fully_shard
+
+    class Sharded(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+            )
+
+        def configure_model(self) -> None:
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    return Sharded()
+
+
+def _fit_sharded(folder: str, epochs: int, resume: str | None = None) -> Any:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from unickpt.integrations.lightning import UnickptModelParallelStrategy
+
+    model = _sharded_module()
+    strategy = UnickptModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=epochs,
+        callbacks=[ModelCheckpoint(dirpath=folder, save_top_k=-1, save_last=True)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, _data(), ckpt_path=resume)
+    return model
+
+
+def _fsdp2_fit_stop_resume(rank: int, world: int, root: str) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    reference = _fit_sharded(f"{root}/reference", 3)
+    _fit_sharded(f"{root}/run", 2)
+    resumed = _fit_sharded(f"{root}/run", 3, resume=f"{root}/run/last.ckpt")
+    pairs = zip(reference.parameters(), resumed.parameters())
+    return {"same": [torch.equal(a.full_tensor(), b.full_tensor()) for a, b in pairs]}
+
+
+def test_fsdp2_model_parallel_strategy_through_unickpt(tmp_path: Path) -> None:
+    out = run_ranks(2, _fsdp2_fit_stop_resume, str(tmp_path))
+    assert all(r["same"] == [True] * 4 for r in out)
+    assert (tmp_path / "run" / "last.ckpt" / "COMMIT").is_file()
+    summary = inspect_checkpoint(tmp_path / "run" / "epoch=1-step=8.ckpt")
+    assert summary.world_size == 2  # both ranks wrote their shards
+    layouts = {t.key: t.layout for t in summary.tensors}
+    assert layouts["state_dict.net.0.weight"] == "dtensor"
+    assert "optimizer_0.state.net.0.weight.exp_avg" in layouts

@@ -18,6 +18,13 @@ training wait for it.
 Lightning calls ``save_checkpoint`` on global rank 0 alone (DDP state is replicated), so the
 save runs over a process group of that rank only; ``load_checkpoint`` runs on every rank, each
 reading the whole checkpoint, as ``torch.load`` would.
+
+Sharded training (FSDP2, tensor parallel) goes through :class:`UnickptModelParallelStrategy`,
+Lightning's ``ModelParallelStrategy`` with its distributed checkpoints written by unickpt: every
+rank saves its shards of the model and the optimizers together (nothing gathered), and a load
+reshards them into the current layout::
+
+    trainer = L.Trainer(strategy=UnickptModelParallelStrategy(data_parallel_size=2), ...)
 """
 
 from __future__ import annotations
@@ -29,10 +36,12 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
 
+from .. import api
 from ..engine.futures import SaveFuture
 from ..errors import CheckpointError
-from .nested import load_nested, save_nested
+from .nested import from_state, load_nested, save_nested, template, to_state
 
 log = logging.getLogger(__name__)
 
@@ -113,3 +122,75 @@ class UnickptCheckpointIO(CheckpointIO):
             rank = dist.get_rank()
             self._group = dist.new_group([rank], use_local_synchronization=True)
         return self._group
+
+
+class UnickptModelParallelStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` (FSDP2 and tensor parallel) whose checkpoints are unickpt's.
+
+    Takes the arguments of ``ModelParallelStrategy``. A checkpoint is a unickpt folder holding
+    ``state_dict`` (the sharded model), ``optimizer_0``... (keyed by parameter name) and the rest
+    of Lightning's checkpoint dict (loops, callbacks, schedulers) as in
+    :class:`UnickptCheckpointIO`. ``async_save=True`` returns after the snapshot.
+    """
+
+    def __init__(self, *args: Any, async_save: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.async_save = async_save
+        self._pending: SaveFuture | None = None
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the save takes the model's own (sharded) tensors, nothing is copied
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "UnickptModelParallelStrategy.save_checkpoint takes no storage_options."
+            )
+        self.wait()
+        path = Path(self.broadcast(filepath))
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        state = {**self._live_state(), **to_state(rest, allow_pickle=False)}
+        if self.async_save:
+            self._pending = api.async_save(path, state, overwrite=True)
+        else:
+            api.save(path, state, overwrite=True)
+
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        self.wait()
+        path = Path(self.broadcast(checkpoint_path))
+        state = {**self._live_state(), **template(path)}
+        api.load(path, state)
+        loaded = from_state(state, allow_pickle=False)
+        if not isinstance(loaded, dict):
+            raise CheckpointError(f"{path} holds a {type(loaded).__name__}, not a dict.")
+        return loaded
+
+    def wait(self) -> None:
+        """Wait for the pending asynchronous save; re-raise its failure."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.wait()
+        if self.is_global_zero:
+            shutil.rmtree(Path(filepath), ignore_errors=True)
+
+    def teardown(self) -> None:
+        self.wait()
+        super().teardown()
+
+    def _live_state(self) -> dict[str, Any]:
+        optimizers = {f"optimizer_{i}": _inner(o) for i, o in enumerate(self.optimizers)}
+        return {"state_dict": self.model, **optimizers}
+
+
+def _inner(optimizer: Any) -> Any:
+    return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the optimizer

@@ -100,28 +100,18 @@ def join(layout: str, tensors: dict[str, torch.Tensor], allow_pickle: bool) -> A
     return dec(doc["root"])
 
 
-def save_nested(
-    path: str | os.PathLike[str],
-    obj: dict[str, Any],
-    *,
-    group: Any = None,
-    allow_pickle: bool = False,
-    asynchronous: bool = False,
-) -> SaveFuture:
-    """Save ``obj`` at ``path`` (replacing a checkpoint there); asynchronous when asked."""
+def to_state(obj: Any, allow_pickle: bool) -> dict[str, Any]:
+    """The unickpt state that stores ``obj``: ``layout`` and, when it has tensors, ``tensors``."""
     tensors, layout = split(obj, allow_pickle)
     state: dict[str, Any] = {LAYOUT: layout}
     if tensors:
         state[TENSORS] = tensors
-    if asynchronous:
-        return api.async_save(path, state, group=group, overwrite=True)
-    return SaveFuture.completed(api.save(path, state, group=group, overwrite=True))
+    return state
 
 
-def load_nested(
-    path: str | os.PathLike[str], *, group: Any = None, allow_pickle: bool = False
-) -> Any:
-    """The object :func:`save_nested` saved at ``path``, tensors on the CPU."""
+def template(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A state to load :func:`to_state`'s entries of the checkpoint at ``path`` into (empty
+    CPU tensors of the saved shapes)."""
     summary = inspect_checkpoint(path)
     prefix = TENSORS + "."
     tensors = {
@@ -131,14 +121,42 @@ def load_nested(
     }
     state: dict[str, Any] = {LAYOUT: ""}
     if tensors:
-        state[TENSORS] = dict(tensors)
+        state[TENSORS] = tensors
+    return state
+
+
+def from_state(state: dict[str, Any], allow_pickle: bool) -> Any:
+    """The object a loaded :func:`template` holds."""
+    return join(state[LAYOUT], state.get(TENSORS, {}), allow_pickle)
+
+
+def save_nested(
+    path: str | os.PathLike[str],
+    obj: dict[str, Any],
+    *,
+    group: Any = None,
+    allow_pickle: bool = False,
+    asynchronous: bool = False,
+) -> SaveFuture:
+    """Save ``obj`` at ``path`` (replacing a checkpoint there); asynchronous when asked."""
+    state = to_state(obj, allow_pickle)
+    if asynchronous:
+        return api.async_save(path, state, group=group, overwrite=True)
+    return SaveFuture.completed(api.save(path, state, group=group, overwrite=True))
+
+
+def load_nested(
+    path: str | os.PathLike[str], *, group: Any = None, allow_pickle: bool = False
+) -> Any:
+    """The object :func:`save_nested` saved at ``path``, tensors on the CPU."""
+    state = template(path)
     try:
         api.load(path, state, group=group)
     except CheckpointError as e:
         raise CheckpointError(
             f"{path} is not a checkpoint written by unickpt's framework integrations ({e})"
         ) from e
-    return join(state[LAYOUT], tensors, allow_pickle)
+    return from_state(state, allow_pickle)
 
 
 def _join(path: str, key: Any) -> str:

@@ -5,9 +5,9 @@ Each module imports its framework, which is an optional extra of unickpt:
 - :mod:`unickpt.integrations.torchtitan` (``pip install unickpt[torchtitan]``):
   ``UnickptCheckpointManager``, a torchtitan checkpoint manager.
 - :mod:`unickpt.integrations.lightning` (``unickpt[lightning]``): ``UnickptCheckpointIO``, a
-  Lightning ``CheckpointIO`` plugin.
-- :mod:`unickpt.integrations.huggingface` (``unickpt[huggingface]``): ``UnickptCallback``, a
-  Hugging Face ``Trainer`` callback.
+  Lightning ``CheckpointIO`` plugin, and ``UnickptModelParallelStrategy`` (FSDP2, TP).
+- :mod:`unickpt.integrations.huggingface` (``unickpt[huggingface]``): ``UnickptTrainer`` (and
+  ``UnickptTrainerMixin``), the Hugging Face ``Trainer`` with unickpt checkpoints.
 
 They use only the public API (``unickpt.save``, ``load``, ``async_save``, ``Checkpointer``).
 """

@@ -116,3 +116,14 @@ def test_tensor_parallel_save_resume_and_reshard_to_fsdp2(tmp_path: Path) -> Non
     assert out["losses"] == ref["losses"]
     assert out["digests"] == ref["digests"]
     assert out["fsdp_at_two"] == ref["at_two"]
+
+
+def test_config_refuses_what_it_cannot_do() -> None:
+    from unickpt.integrations.torchtitan import UnickptCheckpointManager
+
+    with pytest.raises(ValueError, match="unickpt convert --from/--to safetensors"):
+        UnickptCheckpointManager.Config(last_save_in_hf=True)
+    with pytest.raises(ValueError, match="async_mode is 'sometimes'"):
+        UnickptCheckpointManager.Config(async_mode="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="keep_latest_k"):  # torchtitan's own checks still apply
+        UnickptCheckpointManager.Config(keep_latest_k=-1)

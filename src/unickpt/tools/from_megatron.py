@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from .progress import ProgressFn
 from .reports import ConvertReport
 
 METADATA = "metadata.json"
+_OBJECT = re.compile(r"^.+/shard_[0-9_.]+$")
 COMMON = "common.pt"
 
 
@@ -60,7 +62,7 @@ def import_megatron(
                 f"{src_path}: keys {clash[:5]} are both in {COMMON} and in the sharded state; "
                 "the checkpoint is inconsistent."
             )
-        state = with_prefix({**common, **flat}, prefix, src_path)
+        state = with_prefix({**common, **_unwrap_objects(flat)}, prefix, src_path)
         return save_imported(
             state,
             src_path,
@@ -71,6 +73,17 @@ def import_megatron(
             started_s=t0,
             progress=_half(progress, 1, _tensor_bytes(meta)),
         )
+
+
+def _unwrap_objects(flat: dict[str, Any]) -> dict[str, Any]:
+    """Megatron stores each ``ShardedObject`` as the list of that key's objects on the rank
+    (one): the object itself is what its load returns."""
+    out = {}
+    for key, value in flat.items():
+        if _OBJECT.match(key) and isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        out[key] = value
+    return out
 
 
 def _check_backend(src: Path) -> None:

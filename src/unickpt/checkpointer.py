@@ -95,12 +95,15 @@ class Checkpointer:
     """Save every few steps, resume from the newest intact checkpoint.
 
     >>> ckpt = unickpt.Checkpointer("runs/gpt", keep_last=3)  # doctest: +SKIP
-    >>> start = ckpt.load_latest(state) or 0  # doctest: +SKIP
+    >>> last = ckpt.load_latest(state)  # doctest: +SKIP
+    >>> start = 0 if last is None else last + 1  # doctest: +SKIP
     >>> for step in range(start, steps):  # doctest: +SKIP
     ...     train_step()
     ...     if step % 100 == 0:
     ...         ckpt.save(step, state)
     >>> ckpt.close()  # doctest: +SKIP
+
+    The checkpoint of step N holds the state after step N: a resumed loop goes on with N + 1.
 
     All ranks of ``group`` construct it and call ``save``/``load_latest`` together. ``root`` is
     a path or URL (``s3://bucket/run``, ``memory://run``, ...) or a :class:`Storage`. A

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from ..errors import CheckpointError
 from ..storage.base import Storage
 from .from_dcp import import_dcp
+from .from_deepspeed import import_deepspeed
+from .from_megatron import import_megatron
 from .from_safetensors import import_safetensors
 from .from_torch import import_torch
 from .output import nothing_left_on_failure
@@ -18,6 +20,7 @@ from .to_safetensors import DEFAULT_MAX_SHARD_BYTES, export_safetensors
 from .to_torch import export_torch
 
 FORMATS = ("safetensors", "torch", "dcp")
+IMPORT_FORMATS = (*FORMATS, "megatron", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class ConvertOptions:
     only: str | None = None  # exports: the subtree to write, prefix removed
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES  # export to safetensors
     prefix: str | None = None  # imports: put everything under this key
-    allow_pickle: bool = False  # imports from torch and dcp
+    allow_pickle: bool = False  # imports from torch, dcp, megatron and deepspeed
     overwrite: bool = False
     verify: bool = True  # exports: check the source's checksums while reading
     progress: ProgressFn | None = None
@@ -74,8 +77,8 @@ def import_checkpoint(
 ) -> ConvertReport:
     """Import ``src`` in format ``fmt`` into a new unickpt checkpoint at ``dst`` (any path or
     URL). A failed import leaves nothing at ``dst``."""
-    if fmt not in FORMATS:
-        raise _unknown(fmt)
+    if fmt not in IMPORT_FORMATS:
+        raise _unknown(fmt, IMPORT_FORMATS)
     with nothing_left_on_failure(dst):
         return _import(src, dst, fmt, options)
 
@@ -87,8 +90,13 @@ def _import(
         return import_safetensors(
             src, dst, prefix=o.prefix, overwrite=o.overwrite, progress=o.progress
         )
-    importer = import_torch if fmt == "torch" else import_dcp
-    return importer(
+    importers = {
+        "torch": import_torch,
+        "dcp": import_dcp,
+        "megatron": import_megatron,
+        "deepspeed": import_deepspeed,
+    }
+    return importers[fmt](
         src,
         dst,
         prefix=o.prefix,
@@ -98,5 +106,5 @@ def _import(
     )
 
 
-def _unknown(fmt: str) -> CheckpointError:
-    return CheckpointError(f"format {fmt!r} is not known; expected one of {', '.join(FORMATS)}.")
+def _unknown(fmt: str, known: tuple[str, ...] = FORMATS) -> CheckpointError:
+    return CheckpointError(f"format {fmt!r} is not known; expected one of {', '.join(known)}.")

@@ -1,34 +1,34 @@
 """The public functions: save, load, async_save.
 
 All ranks of ``group`` (default: the world) call them together; in a single process no
-process group is needed.
+process group is needed. A path is a local folder or a URL (``memory://...``, ``gs://...``;
+see docs/storage.md), or a :class:`~unickpt.storage.base.Storage`.
 """
 
 from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401 - registers its exit hook first
+import dataclasses
 import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from .config import Config, get_config
 from .dist import Comm
 from .engine import saver
 from .engine.futures import SaveFuture
+from .engine.hold import hold_steps
 from .engine.loader import LoadReport
 from .engine.loader import load as _load
-from .engine.staging import ARENA, snapshot
+from .engine.staging import ARENA, snapshot, stream_marker
 from .engine.write import ItemSource
-from .planning.capture import capture
+from .planning.capture import Capture, capture
 from .storage.base import Storage
-from .storage.local import LocalStorage
+from .storage.registry import open_storage
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,8 @@ _register(_finish_at_exit)
 
 
 def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
-    """The storage backend for a path (a local folder) or a ready-made backend."""
-    if isinstance(path, Storage):
-        return path
-    return LocalStorage(path)
+    """The storage backend for a path or URL (see :func:`open_storage`), or a ready-made one."""
+    return open_storage(path)
 
 
 def save(
@@ -101,14 +99,26 @@ def async_save(
     """Snapshot ``state`` and return; write, fsync and commit go on in the background.
 
     With ``background_snapshot=True`` (zero-stall) the call returns at once: flattening,
-    planning and the snapshot itself run in the background, and the next ``step()`` of any
-    optimizer in ``state`` waits for the snapshot. The checkpoint holds the values of the
-    moment of this call as long as tensors change only in optimizer steps; the containers of
-    ``state`` and the state dicts of its stateful objects (modules, optimizers, data loaders,
-    schedulers) are captured in the call, tensors by reference. Errors of planning (an existing
-    checkpoint, an unpicklable value) then surface in ``wait()``. ``on_commit`` runs on every
-    rank, in the background, once the checkpoint is committed (retention and replication hook
-    in there).
+    planning and the copy run in the background, overlapping forward and backward, and the
+    checkpoint still holds exactly the values of the moment of the call, or nothing:
+
+    - in the call, the containers of ``state`` and the state dicts of its stateful objects
+      (modules, optimizers, data loaders, your trainer) are taken, and the tensors that may
+      change before the next optimizer step are copied: module buffers (BatchNorm statistics
+      change in the next forward), plain tensors of at most 64 KiB, and tensors without a
+      version counter (inference mode); other values are deep-copied;
+    - every optimizer step of the process (any ``torch.optim.Optimizer``, wherever it sits)
+      waits until the copy is done;
+    - any other in-place change, between the call and the end of its copy, to a tensor kept by
+      reference moves its version counter and fails the save: ``wait()`` raises a
+      :class:`CheckpointError` naming the key, and nothing is committed at ``path`` (with
+      ``overwrite=True`` the previous checkpoint there stays).
+
+    Writes that bypass version counters (through ``tensor.data``, NumPy views, raw storage)
+    cannot be seen; make them after ``fut.wait_snapshot()``. Errors of planning (an existing
+    checkpoint, an unpicklable value) surface in ``wait()``. ``on_commit`` runs on every rank,
+    in the background, once the checkpoint is committed (retention and replication hook in
+    there).
 
     >>> fut = unickpt.async_save("ckpt/step-100", state)  # doctest: +SKIP
     >>> ...  # train on
@@ -161,34 +171,68 @@ def _deferred_save(
     on_commit: Callable[[], None] | None,
     fut: SaveFuture,
 ) -> SaveFuture:
-    """Zero-stall: capture, guard the optimizers, and plan, copy and write in the background."""
+    """Zero-stall: capture in the call; plan, copy and write in the background, while every
+    optimizer step of the process waits for the copy."""
     comm = Comm(group, cfg.collective_timeout_s)  # may create a group: all ranks, this thread
     storage = storage_for(path)
     captured = capture(state)
-    _guard_optimizers(state, fut)
+    marker = stream_marker()  # CUDA: the copy starts after the caller's queued kernels
+    hold_steps(fut)
     with _PENDING_LOCK:
-        earlier = list(_PENDING)
+        earlier = [f for f in _PENDING if not f.done()]
 
     def work() -> None:
         prep: saver.PreparedSave | None = None
+        finishing = False
         try:
             for previous in earlier:  # one save at a time: they share the staging memory
                 previous.wait_done()
-            prep = saver.prepare(comm, storage, captured, allow_pickle, overwrite)
+            prep = saver.prepare(comm, storage, captured.state, allow_pickle, overwrite)
+            if marker is not None:
+                marker.synchronize()
+            check: Callable[[], None] | None
             if prep.nbytes > cfg.staging_budget_bytes:
-                # Streamed from the live tensors: the next step waits for the whole write.
+                # Streamed from the live tensors: the steps wait for the whole write.
                 sources = [ItemSource(v) for v in prep.views]
+                check = _unchanged(prep, captured)
             else:
-                sources = snapshot(prep.items, prep.views, ARENA, cfg.io_threads)
+                sources, check = _checked_snapshot(prep, captured, cfg)
                 fut.set_snapshot_done()
-            _finish(prep, storage, sources, cfg, on_commit, fut)
+            finishing = True  # write_and_commit releases the lock whatever happens
+            _finish(prep, storage, sources, cfg, on_commit, fut, check)
         except BaseException as e:  # noqa: BLE001 - handed to the caller through wait()
-            if prep is not None and prep.release is not None and not fut.snapshot_done():
+            if prep is not None and prep.release is not None and not finishing:
                 prep.release()
             fut.set_exception(e)
 
     _start(fut, work)
     return fut
+
+
+def _unchanged(prep: saver.PreparedSave, captured: Capture) -> Callable[[], None]:
+    """A check that every tensor this rank writes still has its version of the call."""
+    keys = [i.key for i in prep.items]
+    return lambda: captured.check_all(keys)
+
+
+def _checked_snapshot(
+    prep: saver.PreparedSave, captured: Capture, cfg: Config
+) -> tuple[list[ItemSource], Callable[[], None] | None]:
+    """The snapshot, each tensor checked unchanged once copied. A failure becomes a check that
+    fails the write, so that every rank learns of it and nothing is committed."""
+
+    def check(i: int) -> None:
+        captured.check(prep.items[i].key)
+
+    try:
+        return snapshot(prep.items, prep.views, ARENA, cfg.io_threads, check), None
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the write
+        error = e
+
+    def fail() -> None:
+        raise error
+
+    return [], fail
 
 
 def _finish(
@@ -198,59 +242,29 @@ def _finish(
     cfg: Config,
     on_commit: Callable[[], None] | None,
     fut: SaveFuture,
+    check: Callable[[], None] | None = None,
 ) -> None:
-    report = saver.write_and_commit(prep, storage, sources, cfg)
+    report = saver.write_and_commit(prep, storage, sources, cfg, check=check)
     if on_commit is not None:
         on_commit()
     fut.set_result(report)
 
 
 def _start(fut: SaveFuture, work: Callable[[], None]) -> None:
+    def run() -> None:
+        try:
+            work()
+        finally:  # a finished save leaves the list: later saves wait only for running ones
+            with _PENDING_LOCK:
+                if fut in _PENDING:
+                    _PENDING.remove(fut)
+
     with _PENDING_LOCK:
+        _PENDING[:] = [f for f in _PENDING if not f.done()]
         _PENDING.append(fut)
     # Not a daemon: an interpreter that exits joins it, so a save is never cut off midway.
-    threading.Thread(target=work, name="unickpt-async-save", daemon=False).start()
+    threading.Thread(target=run, name="unickpt-async-save", daemon=False).start()
     fut.blocking_s = time.perf_counter() - fut.started_s
-
-
-# Step pre-hooks of earlier guards, per optimizer. A hook cannot remove itself (step()
-# iterates the hook dict while calling it), so a fired guard turns into a no-op and is
-# removed by the next guard, from outside step().
-_GUARDS: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
-
-
-def _guard_optimizers(state: dict[str, Any], fut: SaveFuture) -> None:
-    """Make the next step() of every optimizer in ``state`` wait for ``fut``'s snapshot."""
-    fired = threading.Event()
-
-    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if fired.is_set():
-            return
-        fired.set()
-        if not fut.snapshot_done():
-            t0 = time.perf_counter()
-            fut.wait_snapshot()
-            fut.blocking_s += time.perf_counter() - t0
-
-    for opt in _optimizers(state):
-        stale = _GUARDS.pop(opt, None)
-        if stale is not None:
-            stale.remove()
-        _GUARDS[opt] = opt.register_step_pre_hook(hook)
-
-
-def _optimizers(state: Any) -> list[torch.optim.Optimizer]:
-    found = []
-    stack = [state]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, torch.optim.Optimizer):
-            found.append(value)
-        elif isinstance(value, dict):
-            stack.extend(value.values())
-        elif isinstance(value, list):
-            stack.extend(value)
-    return found
 
 
 def wait_pending() -> None:
@@ -288,7 +302,7 @@ def load(
     wait_pending()
     cfg = config or get_config()
     if verify is not None and verify != cfg.verify:
-        cfg = get_config(verify=verify)
+        cfg = dataclasses.replace(cfg, verify=verify)
     comm = Comm(group, cfg.collective_timeout_s)
     storage = storage_for(path)
     try:

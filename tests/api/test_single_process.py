@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 import unickpt
+from unickpt.storage import LocalStorage
 
 
 def _all_dtypes() -> list[torch.dtype]:
@@ -215,3 +217,33 @@ def test_sharded_and_flat_leaves_in_one_process(tmp_path: Path) -> None:
     dest = {"w": unickpt.ShardedTensor(torch.zeros(2, 4), (4, 6), (1, 1))}
     unickpt.load(tmp_path / "f", dest)
     assert torch.equal(dest["w"].local, full[1:3, 1:5])
+
+
+class _ThreadRecordingStorage(LocalStorage):
+    """A real folder that notes which threads read its data."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.readers: set[str] = set()
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        self.readers.add(threading.current_thread().name)
+        super().read_into(name, offset, out)
+
+
+def test_load_keeps_the_config_when_verify_is_given(tmp_path: Path) -> None:
+    state = {"a": torch.arange(1000.0), "b": torch.arange(2000.0)}
+    unickpt.save(tmp_path / "c", state)
+    data = next((tmp_path / "c").glob("data-*.bin"))
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 0xFF  # damage the first element of 'a'
+    data.write_bytes(bytes(raw))
+    with pytest.raises(unickpt.CheckpointCorruptError, match="checksum mismatch"):
+        unickpt.load(tmp_path / "c", {k: torch.zeros_like(v) for k, v in state.items()})
+    one_thread = unickpt.get_config(io_threads=1)
+    storage = _ThreadRecordingStorage(tmp_path / "c")
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    unickpt.load(storage, dest, config=one_thread, verify=False)
+    assert storage.readers == {threading.current_thread().name}  # io_threads=1 was kept
+    assert torch.equal(dest["b"], state["b"]) and torch.equal(dest["a"][1:], state["a"][1:])
+    assert not torch.equal(dest["a"][:1], state["a"][:1])  # verify=False was applied

@@ -52,3 +52,4 @@ def test_demo_resumes_match_the_reference(tmp_path: Path) -> None:
     report = render(result)
     assert "every resumed run matches the reference" in report
     assert "SIGKILLed" in report
+    assert f"checkpoints: {tmp_path / 'demo' / 'checkpoints'}" in report

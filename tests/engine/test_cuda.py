@@ -31,3 +31,21 @@ def test_cuda_state_sync_and_async_roundtrip(tmp_path: Path) -> None:
     cpu = {"w": torch.zeros(1024, 1024), "b": torch.zeros(7)}
     unickpt.load(tmp_path / "a", cpu)
     assert torch.equal(cpu["w"], expected["w"].cpu())
+
+
+def test_cuda_zero_stall_holds_the_values_of_the_call(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.BatchNorm1d(512)).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # the caller's kernels run on a stream of its own
+        model(torch.randn(8, 256, device="cuda")).sum().backward()
+        opt.step()
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        fut = unickpt.async_save(tmp_path / "z", {"model": model}, background_snapshot=True)
+        model(torch.randn(8, 256, device="cuda")).sum().backward()  # moves the BN statistics
+        opt.step()  # waits for the copy
+    fut.wait()
+    dest = {k: torch.zeros_like(v) for k, v in expected.items()}
+    unickpt.load(tmp_path / "z", {"model": dest})
+    for k, v in expected.items():
+        assert torch.equal(dest[k], v), k

@@ -1,14 +1,16 @@
 """``unickpt demo``: the crash-and-resume demonstration, with progress bars and a report.
 
-Run it::
+Run it (checkpoints, chart and summary go to ``out/demo``)::
 
-    unickpt demo --out ./unickpt-demo
+    unickpt demo
 
 Under ``torchrun`` it trains one run that resumes from ``--out`` when checkpoints are there, so
 it can be stopped and restarted at another world size by hand::
 
-    torchrun --nproc-per-node 2 -m unickpt.demo --out ./unickpt-demo-torchrun
-    torchrun --nproc-per-node 1 -m unickpt.demo --out ./unickpt-demo-torchrun
+    torchrun --nproc-per-node 2 -m unickpt.demo --out out/demo-torchrun
+    torchrun --nproc-per-node 1 -m unickpt.demo --out out/demo-torchrun
+
+Progress bars are drawn only when stderr is a terminal.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from unickpt.demo.events import (
 from unickpt.demo.launch import run_under_torchrun
 from unickpt.demo.record import Recorder
 from unickpt.demo.report import format_phases, format_saves, format_verdicts
+from unickpt.tools.progress import wants_progress
 
 _DESCRIPTION = """\
 Train a small GPT (character level, generated text, CPU) with FSDP2 on 2 processes over gloo,
@@ -97,7 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.seed,
         help="seed of the text and the weights (default: %(default)s)",
     )
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="hide the progress bars (they are drawn only when stderr is a terminal)",
+    )
     parser.add_argument(
         "-v",
         "--verbose",
@@ -119,9 +126,14 @@ def run(args: argparse.Namespace) -> int:
             regrow_at=args.regrow_at,
             seed=args.seed,
         )
+        progress = wants_bars(args)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            return _run_under_torchrun(config, progress=not args.no_progress)
-        view = ProgressView(enabled=not args.no_progress)
+            return _run_under_torchrun(config, progress)
+        print(
+            f"unickpt demo: checkpoints go to {os.path.abspath(config.checkpoint_dir)}",
+            file=sys.stderr,
+        )
+        view = ProgressView(enabled=progress)
         try:
             result = run_demo(config, view)
         finally:
@@ -131,6 +143,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(render(result))
     return 0 if result.all_match else 1
+
+
+def wants_bars(args: argparse.Namespace) -> bool:
+    """Progress bars on a terminal only: piped into a log, each redraw would be a line."""
+    return not args.no_progress and wants_progress(False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,10 +183,11 @@ def render(result: DemoResult) -> str:
             "compared with the reference run",
             format_verdicts(result.comparisons),
             "",
-            f"result:  {verdict}",
-            f"chart:   {result.chart_path or 'not drawn (pip install matplotlib)'}",
-            f"summary: {result.summary_path}",
-            f"time:    {result.elapsed_s:.1f} s",
+            f"result:      {verdict}",
+            f"checkpoints: {os.path.abspath(config.checkpoint_dir)}",
+            f"chart:       {result.chart_path or 'not drawn (pip install matplotlib)'}",
+            f"summary:     {result.summary_path}",
+            f"time:        {result.elapsed_s:.1f} s",
         ]
     )
 
@@ -242,4 +260,5 @@ def _run_under_torchrun(config: DemoConfig, progress: bool) -> int:
     if rank == 0:
         phases = list(recorder.phases.values())
         print("\n".join(["phases", format_phases(phases), "", "saves", format_saves(phases)]))
+        print(f"\ncheckpoints: {os.path.abspath(config.checkpoint_dir)}")
     return 0

@@ -20,7 +20,8 @@ class DemoConfig:
     The run: ``steps`` optimizer steps, a checkpoint every ``save_every`` steps, a worker killed
     right after the save of step ``kill_at``, a resume on one process until step ``regrow_at``,
     then two processes again until ``steps``. ``kill_at`` and ``regrow_at`` default to about
-    40% and 70% of the run.
+    40% and 70% of the run. Checkpoints, chart and summary go to ``out_dir`` (by default
+    ``out/demo`` of the current folder, which the repository's ``.gitignore`` covers).
 
     Example::
 
@@ -28,7 +29,7 @@ class DemoConfig:
         (25, 40)
     """
 
-    out_dir: str = "unickpt-demo"
+    out_dir: str = os.path.join("out", "demo")
     steps: int = 60
     save_every: int = 5
     kill_at: int | None = None

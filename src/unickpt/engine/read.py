@@ -3,7 +3,8 @@
 A read item whose region is a whole chunk and whose destination is contiguous CPU memory is
 read directly into the destination. Otherwise only the byte runs of the region are read (with
 verification on: the checksum segments that hold them) into a small buffer and copied into
-place. Large regions are cut into pieces of ``read_piece_bytes`` so memory stays bounded.
+place. Large regions are cut into pieces of about ``read_piece_bytes`` (whole checksum segments
+of the checkpoint) so memory stays bounded.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ def execute_reads(
 
     ``segment_bytes`` is the checksum segment the checkpoint was written with.
     """
-    pieces = [p for item in items for p in _split(item, config.read_piece_bytes)]
+    piece_bytes = aligned_piece_bytes(config.read_piece_bytes, segment_bytes)
+    pieces = [p for item in items for p in _split(item, piece_bytes)]
     pieces.sort(key=lambda it: (it.file, it.chunk.byte_offset))
-    tasks = [t for p in pieces for t in _tasks(p, config.read_piece_bytes)]
+    tasks = [t for p in pieces for t in _tasks(p, piece_bytes)]
     reader = _Reader(storage, segment_bytes, verify)
     if len(tasks) <= 1 or config.io_threads == 1:
         read = sum(reader.run(*t) for t in tasks)
@@ -55,6 +57,12 @@ def execute_reads(
             read = sum(pool.map(lambda t: reader.run(*t), tasks))
     wanted = sum(p.region.numel * p.dest.element_size() for p in pieces)
     return ReadStats(read, wanted)
+
+
+def aligned_piece_bytes(piece_bytes: int, segment_bytes: int) -> int:
+    """The reader's piece, cut to whole segments of the checkpoint being read (whose segment
+    may differ from this process's config), so that every piece is verified on its own."""
+    return max(segment_bytes, piece_bytes // segment_bytes * segment_bytes)
 
 
 def _tasks(item: ReadItem, piece_bytes: int) -> list[tuple[ReadItem, int, int]]:

@@ -157,16 +157,25 @@ def write_and_commit(
     sources: list[ItemSource],
     config: Config,
     progress: Callable[[int, int], None] | None = None,
+    check: Callable[[], None] | None = None,
 ) -> SaveReport:
-    """Write this rank's file, then commit on the coordinator; raise everywhere on failure."""
+    """Write this rank's file, then commit on the coordinator; raise everywhere on failure.
+
+    ``check()``, when given, runs before and after this rank's file is written; an error it
+    raises fails the save on every rank and nothing is committed.
+    """
     comm = prep.comm
     t0 = time.perf_counter()
     ref: FileRef | None = None
     failure: RankFailure | None = None
     caught: BaseException | None = None
     try:
+        if check is not None:
+            check()
         if prep.items:
             ref = _write_rank_files(prep, storage, sources, config, progress)
+        if check is not None:
+            check()
     except Exception as e:  # noqa: BLE001 - reported to every rank
         failure, caught = failure_of(comm.rank, e), e
     write_s = time.perf_counter() - t0

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -63,6 +63,19 @@ def _pool(threads: int) -> ThreadPoolExecutor:
         return _POOL[2]
 
 
+def stream_marker() -> torch.cuda.Event | None:
+    """A CUDA event recorded now on the caller's current stream (None without CUDA work).
+
+    A copy made later from another thread runs on that thread's stream; waiting for the marker
+    first means every kernel the caller had queued before the call has run.
+    """
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 def needs_pinned(views: Sequence[torch.Tensor]) -> bool:
     return any(v.device.type == "cuda" for v in views) and torch.cuda.is_available()
 
@@ -72,41 +85,68 @@ def snapshot(
     views: Sequence[torch.Tensor],
     arena: StagingArena,
     threads: int = 2,
+    check: Callable[[int], None] | None = None,
 ) -> list[ItemSource]:
-    """Copy every item into the arena; return sources that read from the arena."""
+    """Copy every item into the arena; return sources that read from the arena.
+
+    ``check(i)``, when given, runs once item ``i`` is copied (for CUDA: once every copy has
+    finished); an error it raises stops the remaining copies and is raised here, after every
+    copy thread has let go of the arena.
+    """
     total = items[-1].byte_offset + items[-1].nbytes if items else 0
     pinned = needs_pinned(views)
     buf = arena.take(total, pinned)
-    slots = [
-        buf[i.byte_offset : i.byte_offset + i.nbytes].view(v.dtype).view(v.shape)
-        for i, v in zip(items, views)
+    jobs = [
+        (i, buf[it.byte_offset : it.byte_offset + it.nbytes].view(v.dtype).view(v.shape), v)
+        for i, (it, v) in enumerate(zip(items, views))
     ]
-    pairs = list(zip(slots, views))
     with torch.no_grad():
-        if pinned or len(pairs) < 2 or threads == 1:
-            for dst, src in pairs:
-                copy_tensor(dst, src, non_blocking=pinned)
+        if pinned:
+            for _, dst, src in jobs:
+                copy_tensor(dst, src, non_blocking=True)
+            torch.cuda.synchronize()
+            if check is not None:
+                for i, _, _ in jobs:
+                    check(i)
+        elif len(jobs) < 2 or threads == 1:
+            _copy_all(jobs, check, threading.Event())
         else:
-            batches = _batches(pairs, threads)
-            list(_pool(threads).map(_copy_all, batches))
-    if pinned:
-        torch.cuda.synchronize()
-    return [ItemSource(s) for s in slots]
+            _copy_parallel(jobs, check, threads)
+    return [ItemSource(dst) for _, dst, _ in jobs]
 
 
-def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for dst, src in pairs:
-        copy_tensor(dst, src)
+_Job = tuple[int, torch.Tensor, torch.Tensor]
 
 
-def _batches(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]], n: int
-) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def _copy_parallel(jobs: list[_Job], check: Callable[[int], None] | None, threads: int) -> None:
+    stop = threading.Event()
+    futures = [_pool(threads).submit(_copy_all, b, check, stop) for b in _batches(jobs, threads)]
+    wait(futures)
+    for f in futures:
+        error = f.exception()
+        if error is not None:
+            raise error
+
+
+def _copy_all(jobs: list[_Job], check: Callable[[int], None] | None, stop: threading.Event) -> None:
+    for i, dst, src in jobs:
+        if stop.is_set():
+            return
+        try:
+            copy_tensor(dst, src)
+            if check is not None:
+                check(i)
+        except BaseException:
+            stop.set()
+            raise
+
+
+def _batches(jobs: list[_Job], n: int) -> list[list[_Job]]:
     """Split copies into ``n`` groups of about equal bytes (largest first, greedy)."""
-    groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(n)]
+    groups: list[list[_Job]] = [[] for _ in range(n)]
     loads = [0] * n
-    for pair in sorted(pairs, key=lambda p: -p[0].nbytes):
+    for job in sorted(jobs, key=lambda j: -j[1].nbytes):
         i = loads.index(min(loads))
-        groups[i].append(pair)
-        loads[i] += pair[0].nbytes
+        groups[i].append(job)
+        loads[i] += job[1].nbytes
     return [g for g in groups if g]

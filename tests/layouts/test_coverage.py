@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unickpt.layouts.boxes import Box, flat_range_to_boxes
-from unickpt.layouts.coverage import cached_tiling_fault, format_region, tiling_fault
+from unickpt.layouts.coverage import cached_tiling_fault, format_region, is_grid, tiling_fault
 
 shapes = st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple)
 
@@ -144,3 +144,18 @@ def test_cached_check_remembers_patterns() -> None:
     bad = [Box((0, 0), (2, 3)), Box((1, 0), (2, 3))]
     first = cached_tiling_fault((4, 3), bad)
     assert first is not None and first is cached_tiling_fault((4, 3), list(bad))
+
+
+def _rows(boxes: list[Box]) -> tuple[np.ndarray, np.ndarray]:
+    return np.array([b.offsets for b in boxes]), np.array([b.lengths for b in boxes])
+
+
+def test_grid_check_accepts_exact_grids_only() -> None:
+    grid = [Box((r, c), (2, n)) for r in (0, 2) for c, n in ((0, 1), (1, 2))]
+    assert is_grid((4, 3), *_rows(grid))
+    assert tiling_fault((4, 3), grid) is None
+    assert not is_grid((4, 3), *_rows(grid[:-1]))  # a cell missing
+    assert not is_grid((5, 3), *_rows(grid))  # a row short
+    shifted = [*grid[:-1], Box((2, 1), (2, 1)), Box((2, 2), (2, 1))]  # not one partition
+    assert not is_grid((4, 3), *_rows(shifted))
+    assert tiling_fault((4, 3), shifted) is None  # still a tiling: the sweep decides

@@ -7,7 +7,7 @@ from unickpt import CheckpointMismatchError
 from unickpt.format.metadata import ChunkMeta, TensorMeta
 from unickpt.layouts.boxes import Box
 from unickpt.planning.load_plan import ChunkIndex, plan_reads
-from unickpt.planning.save_plan import LocalPlan, TensorDecl, build_global_plan
+from unickpt.planning.save_plan import LocalPlan, TensorDecl, build_global_plan, rank_loads
 from unickpt.planning.simulate import simulate_fsdp_tp
 
 
@@ -130,7 +130,62 @@ def test_index_looks_only_at_overlapping_chunks() -> None:
 
 
 def test_simulation_reports_costs() -> None:
-    report = simulate_fsdp_tp(ranks=64, tensors=40, tp=8)
+    report = simulate_fsdp_tp(ranks=64, tensors=40, tp=8, tp_load=4)
     assert report["chunks"] == 64 * 40
     assert report["cached_save_exchange_bytes_per_rank"] == 32
-    assert report["global_metadata_bytes"] < report["index_bytes_total"]
+    assert report["global_metadata_bytes"] < report["index_bytes_total_est"]
+    # The last of 64 loading ranks (16 x TP 4) holds the last 1/16 of the rows (within the
+    # last of 8 saved row blocks) and the last quarter of the columns (2 of 8 saved blocks).
+    assert report["load_reads_per_rank"] == 40 * 2
+
+
+def test_replica_groups_each_write_a_share() -> None:
+    """HSDP: 2 replica groups of 3 shards each; every shard once, by one of its 2 holders,
+    each rank writing half of what it holds (the groups are decided at once)."""
+    plans = []
+    for rank in range(6):
+        shard = rank % 3
+        tensors = {
+            f"t{i}": _decl((6, 4), Box((2 * shard, 0), (2, 4)), layout="dtensor") for i in range(4)
+        }
+        plans.append(_plan(tensors))
+    plan = build_global_plan(plans)
+    written = [[(i.key, i.box.offsets) for i in plan.writes(r)] for r in range(6)]
+    every = sorted(x for w in written for x in w)
+    assert every == sorted((f"t{i}", (2 * s, 0)) for i in range(4) for s in range(3))
+    for rank, items in enumerate(written):
+        assert all(offsets == (2 * (rank % 3), 0) for _, offsets in items)
+    assert [len(w) for w in written] == [2] * 6
+    assert rank_loads(plan) == [2 * 8 * 4] * 6
+
+
+def test_overlapping_holders_are_decided_one_by_one() -> None:
+    """Boxes of one tensor whose holder sets overlap: largest first to the least-loaded."""
+    a = _plan({"w": _decl((10,), Box((0,), (6,)), Box((6,), (4,)))})
+    b = _plan({"w": _decl((10,), Box((0,), (6,)), Box((6,), (4,)))})
+    plan = build_global_plan([a, b])
+    assert [[i.box for i in plan.writes(r)] for r in range(2)] == [
+        [Box((0,), (6,))],
+        [Box((6,), (4,))],
+    ]
+
+
+def test_tensors_of_any_rank_and_dimensions_pack_together() -> None:
+    """Ranks of different dimensions (a scalar, a vector, a 3-d block) plan as one."""
+    scalar = _decl((), Box((), ()), layout="replicated")
+    first = _plan({"s": scalar, "v": _decl((4,), Box((0,), (4,)), layout="replicated")})
+    second = _plan({"s": scalar, "b": _decl((2, 2, 3), Box((0, 0, 0), (2, 2, 3)))})
+    packed = second.packed()
+    assert packed.dims == 3 and packed.coords.tolist() == [
+        [0, 0, 0, 1, 1, 1],
+        [0, 0, 0, 2, 2, 3],
+    ]
+    plan = build_global_plan([first, second.packed()])
+    written = {i.key: (r, i.box) for r in range(2) for i in plan.writes(r)}
+    assert written == {
+        "s": (0, Box((), ())),
+        "v": (0, Box((0,), (4,))),
+        "b": (1, Box((0, 0, 0), (2, 2, 3))),
+    }
+    assert plan.chunks == 3
+    assert first.packed().signature() == first.packed().signature() != packed.signature()

@@ -29,6 +29,7 @@ from ..format.metadata import PER_RANK_ABSENT, ChunkMeta, FileRef, Metadata, Ten
 from ..format.values import encode_value, needs_pickle
 from ..layouts.boxes import Box
 from ..planning.flatten import Flattened, flatten_state
+from ..planning.packed import PackedPlan
 from ..planning.save_plan import GlobalPlan, LocalPlan, TensorDecl, WriteItem, build_global_plan
 from ..storage.base import Storage
 from .checksum import digest
@@ -98,7 +99,8 @@ def prepare(
                 )
             extra = uuid.uuid4().hex[:12]
         cached_key = next(iter(_PLAN_CACHE), None)
-        return (flat, plan, values, per_rank), (plan.signature(), cached_key, extra)
+        packed = plan.packed()
+        return (flat, packed, values, per_rank), (packed.signature(), cached_key, extra)
 
     try:
         (flat, plan, values, per_rank), shared = run_step(comm, "planning the save", describe)
@@ -121,7 +123,7 @@ def prepare(
     return PreparedSave(comm, save_id, global_plan, items, views, mine, per_rank, cached, release)
 
 
-def _agree_on_plan(comm: Comm, plan: LocalPlan) -> GlobalPlan:
+def _agree_on_plan(comm: Comm, plan: PackedPlan) -> GlobalPlan:
     """Exchange the local plans and build the global one. Pure and run on every rank over the
     same plans; run_step still gathers the outcome, so that a rank failing alone (out of
     memory) cannot leave the others waiting."""

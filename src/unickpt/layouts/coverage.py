@@ -18,6 +18,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from .boxes import Box
 
 # A box as (starts, ends) per dimension: the sweep's working form.
@@ -81,6 +83,29 @@ def tiling_fault(shape: Sequence[int], boxes: Sequence[Box]) -> TilingFault | No
         return None
     kind, starts, ends = fault
     return TilingFault(kind, box_of(starts, ends))
+
+
+def is_grid(shape: Sequence[int], offsets: np.ndarray, lengths: np.ndarray) -> bool:
+    """Whether distinct boxes (rows of ``offsets`` and ``lengths``) are exactly the cells of a
+    grid over the tensor, so that they tile it; vectorised, for the layouts of DTensors and
+    blocks. False says nothing: :func:`tiling_fault` then decides.
+
+    Per dimension, the boxes' distinct intervals must partition ``[0, size)``. Every box is then
+    one cell of the grid those partitions make, and distinct boxes as many as the cells are every
+    cell once.
+    """
+    if not len(offsets):
+        return False
+    cells = 1
+    for d, size in enumerate(shape):
+        pairs = np.unique(np.stack([offsets[:, d], lengths[:, d]], axis=1), axis=0)
+        starts, spans = pairs[:, 0], pairs[:, 1]
+        if (spans <= 0).any() or starts[0] != 0 or starts[-1] + spans[-1] != size:
+            return False
+        if (starts[1:] != starts[:-1] + spans[:-1]).any():
+            return False
+        cells *= len(pairs)
+    return cells == len(offsets)
 
 
 def box_of(starts: tuple[int, ...], ends: tuple[int, ...]) -> Box:

@@ -9,15 +9,19 @@ each rank's data file.
 
 from __future__ import annotations
 
-import array
-import hashlib
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..errors import CheckpointMismatchError
 from ..format.dtypes import dtype_from_name, itemsize
 from ..layouts.boxes import Box
-from ..layouts.coverage import cached_tiling_fault
+from ..layouts.coverage import TilingFault
+from .packed import PackedPlan, box_of, pack, widen
+from .patterns import pattern_of
 
 CHUNK_ALIGN = 64
 """Chunks start at multiples of this many bytes in a data file, so any dtype views them."""
@@ -46,14 +50,10 @@ class LocalPlan:
     per_rank_keys: tuple[str, ...]
     aliases: dict[str, str] = field(default_factory=dict)
 
-    def signature(self) -> str:
-        """A digest of the structure; equal digests mean an unchanged plan."""
-        h = hashlib.blake2b(digest_size=16)
-        for key in sorted(self.tensors):
-            t = self.tensors[key]
-            h.update(repr((key, t.dtype, t.shape, t.layout, t.boxes)).encode())
-        h.update(repr((self.value_keys, self.per_rank_keys, sorted(self.aliases.items()))).encode())
-        return h.hexdigest()
+    def packed(self) -> PackedPlan:
+        """This plan as it is exchanged between ranks."""
+        tensors = [(k, t.dtype, t.shape, t.layout, t.boxes) for k, t in self.tensors.items()]
+        return pack(tensors, self.value_keys, self.per_rank_keys, self.aliases)
 
 
 @dataclass(frozen=True)
@@ -66,27 +66,34 @@ class WriteItem:
     nbytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GlobalPlan:
     """Who writes what. Each rank's file layout is computed when that rank asks for it.
 
-    ``written_keys[r]`` and ``written_boxes[r]`` (parallel) are the boxes rank ``r`` writes.
-    ``value_writers`` names, per plain value, the rank that sends it at the commit (the lowest
-    rank holding it); ``per_rank_keys`` are those of any rank.
+    The distinct boxes of all tensors are arrays, one entry per box: ``box_keys`` (an index into
+    ``names``), ``box_coords`` (packed offsets and lengths, see :mod:`.packed`) and
+    ``box_writers`` (the rank that writes it). ``value_writers`` names, per plain value, the
+    rank that sends it at the commit (the lowest rank holding it); ``per_rank_keys`` are those
+    of any rank.
     """
 
     tensors: dict[str, TensorSpec]
-    written_keys: tuple[tuple[str, ...], ...]
-    written_boxes: tuple[tuple[Box, ...], ...]
     itemsizes: dict[str, int]
     value_writers: dict[str, int]
     per_rank_keys: tuple[str, ...]
-    aliases: dict[str, str] = field(default_factory=dict)
+    aliases: dict[str, str]
+    world_size: int
+    names: tuple[str, ...]
+    box_keys: np.ndarray
+    box_coords: np.ndarray
+    box_writers: np.ndarray
     _layouts: dict[int, tuple[WriteItem, ...]] = field(default_factory=dict, compare=False)
+    _by_rank: list[np.ndarray] = field(default_factory=list, compare=False)
 
     @property
-    def world_size(self) -> int:
-        return len(self.written_keys)
+    def chunks(self) -> int:
+        """How many boxes are written, by all ranks together."""
+        return len(self.box_writers)
 
     def writes(self, rank: int) -> tuple[WriteItem, ...]:
         """The items ``rank`` writes, laid out in its file (sorted by key, then offsets)."""
@@ -95,6 +102,12 @@ class GlobalPlan:
             laid = _layout_file(self.assigned(rank), self.itemsizes)
             self._layouts[rank] = laid
         return laid
+
+    def group_by_rank(self) -> None:
+        """Sort the boxes by writer once, for a caller that asks for every rank's writes."""
+        order = np.argsort(self.box_writers, kind="stable")
+        ends = np.searchsorted(self.box_writers[order], np.arange(self.world_size + 1))
+        self._by_rank[:] = [order[a:b] for a, b in itertools.pairwise(ends.tolist())]
 
     def values_of(self, rank: int) -> list[str]:
         """The plain values ``rank`` sends at the commit."""
@@ -105,47 +118,45 @@ class GlobalPlan:
 
     def assigned(self, rank: int) -> list[tuple[str, Box]]:
         """The (key, box) pairs ``rank`` writes, in no particular order."""
-        return list(zip(self.written_keys[rank], self.written_boxes[rank]))
+        mine = self._by_rank[rank] if self._by_rank else np.flatnonzero(self.box_writers == rank)
+        out = []
+        for k, row in zip(self.box_keys[mine].tolist(), self.box_coords[mine]):
+            name = self.names[k]
+            out.append((name, box_of(row, len(self.tensors[name][1]))))
+        return out
 
 
 TensorSpec = tuple[str, tuple[int, ...], str]
 """(dtype, global shape, layout) of a tensor."""
 
 
-@dataclass
-class Holders:
-    """The distinct boxes of one tensor, each with the rank holding it (an int) or the ranks
-    holding it (a list, for replicas); ``coords``: the offsets and lengths of each distinct box
-    in the order first seen, packed (the key under which its tiling check is remembered)."""
-
-    ranks: dict[Box, int | list[int]] = field(default_factory=dict)
-    coords: array.array = field(default_factory=lambda: array.array("q"))
-
-    def of(self, box: Box) -> list[int]:
-        held = self.ranks[box]
-        return [held] if isinstance(held, int) else held
-
-
-def build_global_plan(plans: list[LocalPlan]) -> GlobalPlan:
+def build_global_plan(plans: Sequence[LocalPlan | PackedPlan]) -> GlobalPlan:
     """Check agreement, dedup replicas, balance writers, lay out files. Same result everywhere.
 
     Ranks may hold different keys (pipeline stages, experts, per-rank loader states): a key is
     written by the ranks that hold it. Ranks holding the same key must agree on what it is.
+    Work per box is done on arrays; Python work is per tensor, per distinct table of tensors
+    and per distinct split pattern (:mod:`.patterns`).
     """
-    tensors, holders = _collect_tensors(plans)
-    value_writers, per_rank_keys = _collect_values(plans, tensors)
-    aliases = _collect_aliases(plans, tensors, value_writers, per_rank_keys)
-    _check_tiling(tensors, holders)
-    sizes = {k: itemsize(dtype_from_name(d)) for k, (d, _, _) in tensors.items()}
-    keys, boxes = _balance(holders, sizes, len(plans))
+    packed = [p.packed() if isinstance(p, LocalPlan) else p for p in plans]
+    keys = _collect_tensors(packed)
+    others = _others(packed)
+    value_writers, per_rank_keys = _collect_values(others, keys)
+    aliases = _collect_aliases(others, keys.tensors, value_writers, per_rank_keys)
+    sizes = {k: itemsize(dtype_from_name(d)) for k, (d, _, _) in keys.tensors.items()}
+    boxes = _distinct_boxes(packed, keys)
+    _balance(boxes, keys, sizes, len(packed))
     return GlobalPlan(
-        tensors,
-        tuple(map(tuple, keys)),
-        tuple(map(tuple, boxes)),
+        keys.tensors,
         sizes,
         value_writers,
         per_rank_keys,
         aliases,
+        len(packed),
+        tuple(keys.tensors),
+        boxes.keys,
+        boxes.coords,
+        boxes.writers,
     )
 
 
@@ -161,69 +172,79 @@ def _describe(dtype: str, shape: tuple[int, ...], layout: str) -> str:
     return f"{_KINDS.get(layout, layout)} {dtype}{list(shape)}"
 
 
-def _collect_tensors(plans: list[LocalPlan]) -> tuple[dict[str, TensorSpec], dict[str, Holders]]:
-    """Every tensor of any rank, checked against its first holder; the holders of each box.
+@dataclass
+class _Keys:
+    """Every tensor of any rank (in the order first met) with its first holder, and for each
+    rank the index of each of its table's entries."""
 
-    The loop runs once per box of every rank (millions at scale): it allocates nothing per box
-    but a dict slot, and packs each new box's coordinates while the box is in cache.
-    """
-    tensors: dict[str, TensorSpec] = {}
-    first: dict[str, int] = {}
-    holders: dict[str, Holders] = {}
+    tensors: dict[str, TensorSpec] = field(default_factory=dict)
+    first: dict[str, int] = field(default_factory=dict)
+    of_rank: list[np.ndarray] = field(default_factory=list)
+
+
+def _collect_tensors(plans: list[PackedPlan]) -> _Keys:
+    """Every tensor of any rank, checked against its first holder. Equal tables of tensors
+    (ranks split alike) are read once."""
+    keys = _Keys()
+    index: dict[str, int] = {}
+    seen: dict[bytes, np.ndarray] = {}
     for rank, plan in enumerate(plans):
-        for key, decl in plan.tensors.items():
-            spec = (decl.dtype, decl.shape, decl.layout)
-            known = tensors.get(key)
-            if known is None:
-                tensors[key] = spec
-                first[key] = rank
-                entry = holders[key] = Holders()
-            elif known != spec:
-                raise CheckpointMismatchError(
-                    f"'{key}' is {_describe(*spec)} on rank {rank} but {_describe(*known)} on "
-                    f"rank {first[key]}; ranks holding the same key must describe the same "
-                    "global tensor (same kind, dtype and global shape). Rename one of them if "
-                    "they are different tensors."
-                )
-            else:
-                entry = holders[key]
-            hold, coords = entry.ranks.setdefault, entry.coords
-            for box in decl.boxes:
-                held = hold(box, rank)
-                if held is rank:
-                    coords.extend(box.offsets)
-                    coords.extend(box.lengths)
-                elif isinstance(held, int):
-                    entry.ranks[box] = [held, rank]
-                else:
-                    held.append(rank)
-    return tensors, holders
+        ids = seen.get(plan.table)
+        if ids is None:
+            found = []
+            for key, dtype, shape, layout in plan.entries():
+                spec = (dtype, shape, layout)
+                known = keys.tensors.get(key)
+                if known is None:
+                    index[key] = len(index)
+                    keys.tensors[key] = spec
+                    keys.first[key] = rank
+                elif known != spec:
+                    raise CheckpointMismatchError(
+                        f"'{key}' is {_describe(*spec)} on rank {rank} but {_describe(*known)} "
+                        f"on rank {keys.first[key]}; ranks holding the same key must describe "
+                        "the same global tensor (same kind, dtype and global shape). Rename one "
+                        "of them if they are different tensors."
+                    )
+                found.append(index[key])
+            ids = seen[plan.table] = np.array(found, dtype=np.int64)
+        keys.of_rank.append(ids)
+    return keys
 
 
-def _collect_values(
-    plans: list[LocalPlan], tensors: dict[str, TensorSpec]
-) -> tuple[dict[str, int], tuple[str, ...]]:
+def _others(plans: list[PackedPlan]) -> list[tuple[tuple[str, ...], tuple[str, ...], dict]]:
+    """(value keys, per-rank keys, aliases) of each rank; equal ones parsed once."""
+    seen: dict[bytes, tuple[tuple[str, ...], tuple[str, ...], dict]] = {}
+    out = []
+    for plan in plans:
+        got = seen.get(plan.rest)
+        if got is None:
+            got = seen[plan.rest] = plan.others()
+        out.append(got)
+    return out
+
+
+_Others = tuple[tuple[str, ...], tuple[str, ...], dict]
+
+
+def _collect_values(others: list[_Others], keys: _Keys) -> tuple[dict[str, int], tuple[str, ...]]:
     """The lowest rank holding each plain value, and every per-rank key; kinds must agree."""
     writers: dict[str, int] = {}
     per_rank: dict[str, int] = {}
-    for rank, plan in enumerate(plans):
-        for key in plan.value_keys:
+    for rank, (value_keys, per_rank_keys, _) in enumerate(others):
+        for key in value_keys:
             writers.setdefault(key, rank)
-        for key in plan.per_rank_keys:
+        for key in per_rank_keys:
             per_rank.setdefault(key, rank)
     for key, rank in writers.items():
-        if key in tensors:
-            _kind_clash(key, "a plain value", rank, "a tensor", _first_tensor_rank(plans, key))
+        if key in keys.tensors:
+            _kind_clash(key, "a plain value", rank, "a tensor", keys.first[key])
         if key in per_rank:
             _kind_clash(key, "a plain value", rank, "a unickpt.PerRank value", per_rank[key])
     for key, rank in per_rank.items():
-        if key in tensors:
-            _kind_clash(key, "a PerRank value", rank, "a tensor", _first_tensor_rank(plans, key))
+        if key in keys.tensors:
+            _kind_clash(key, "a PerRank value", rank, "a tensor", keys.first[key])
     return writers, tuple(sorted(per_rank))
-
-
-def _first_tensor_rank(plans: list[LocalPlan], key: str) -> int:
-    return next(r for r, p in enumerate(plans) if key in p.tensors)
 
 
 def _kind_clash(key: str, kind: str, rank: int, other: str, other_rank: int) -> None:
@@ -234,7 +255,7 @@ def _kind_clash(key: str, kind: str, rank: int, other: str, other_rank: int) -> 
 
 
 def _collect_aliases(
-    plans: list[LocalPlan],
+    others: list[_Others],
     tensors: dict[str, TensorSpec],
     values: dict[str, int],
     per_rank: tuple[str, ...],
@@ -242,9 +263,9 @@ def _collect_aliases(
     """Tied keys of every rank: each names the same first key everywhere, and is no leaf."""
     aliases: dict[str, str] = {}
     origin: dict[str, int] = {}
-    others = set(values) | set(per_rank)
-    for rank, plan in enumerate(plans):
-        for key, target in plan.aliases.items():
+    leaves = set(values) | set(per_rank)
+    for rank, (_, _, tied) in enumerate(others):
+        for key, target in tied.items():
             known = aliases.setdefault(key, target)
             origin.setdefault(key, rank)
             if known != target:
@@ -252,7 +273,7 @@ def _collect_aliases(
                     f"'{key}' is tied to '{target}' on rank {rank} but to '{known}' on rank "
                     f"{origin[key]}; tie the same weights on every rank."
                 )
-            if key in tensors or key in others:
+            if key in tensors or key in leaves:
                 raise CheckpointMismatchError(
                     f"'{key}' is tied to '{target}' on rank {rank} (one tensor under two keys) "
                     "but is a separate leaf on another rank; tie the same weights on every rank."
@@ -260,50 +281,121 @@ def _collect_aliases(
     return aliases
 
 
-def _check_tiling(tensors: dict[str, TensorSpec], holders: dict[str, Holders]) -> None:
-    """The distinct boxes of each tensor hold every element exactly once."""
-    for key, entry in holders.items():
-        shape = tensors[key][1]
-        fault = cached_tiling_fault(shape, list(entry.ranks), entry.coords.tobytes())
-        if fault is None:
-            continue
-        held = sorted({r for b in entry.ranks if b.intersect(fault.region) for r in entry.of(b)})
-        shown = ", ".join(str(r) for r in held[:8]) + (" ..." if len(held) > 8 else "")
-        whose = f" (shards of ranks {shown})" if held else ""
-        raise CheckpointMismatchError(
-            f"the shards of '{key}' (global shape {list(shape)}) do not tile it: "
-            f"{fault.describe()}{whose}. Check the offsets and global shapes passed on each "
-            "rank: the distinct shards (replicas count once) must cover the tensor without gaps "
-            "or overlaps."
-        )
+@dataclass
+class _Boxes:
+    """The distinct boxes of every tensor: key index, packed coordinates, writer (-1 until
+    decided), and for the boxes of several holders, those holders by key index."""
+
+    keys: np.ndarray
+    coords: np.ndarray
+    writers: np.ndarray
+    shared: dict[int, tuple[np.ndarray, list[np.ndarray]]]
 
 
-def _balance(
-    holders: dict[str, Holders], sizes: dict[str, int], world: int
-) -> tuple[list[list[str]], list[list[Box]]]:
-    """The keys and boxes each rank writes: a box held by one rank goes to it, replicas to the
-    least-loaded of their holders, largest first. (Parallel lists rather than pairs: at scale,
-    millions of pairs would cost more in allocation and garbage collection than the rest.)"""
-    keys: list[list[str]] = [[] for _ in range(world)]
-    boxes: list[list[Box]] = [[] for _ in range(world)]
-    shared: list[tuple[str, Box, list[int]]] = []
-    for key, entry in holders.items():
-        for box, held in entry.ranks.items():
-            if isinstance(held, int):
-                keys[held].append(key)
-                boxes[held].append(box)
-            else:
-                shared.append((key, box, held))
-    if not shared:
-        return keys, boxes
-    load = [sum(b.numel * sizes[k] for k, b in zip(keys[r], boxes[r])) for r in range(world)]
-    shared.sort(key=lambda kbr: (-kbr[1].numel * sizes[kbr[0]], kbr[0], kbr[1].offsets))
-    for key, box, ranks in shared:
-        rank = min(ranks, key=lambda r: (load[r], r))
-        load[rank] += box.numel * sizes[key]
-        keys[rank].append(key)
-        boxes[rank].append(box)
-    return keys, boxes
+def _distinct_boxes(plans: list[PackedPlan], keys: _Keys) -> _Boxes:
+    """Every rank's boxes grouped by tensor, deduplicated, checked to tile their tensor."""
+    dims = max((p.dims for p in plans), default=0)
+    row_keys = np.concatenate(
+        [np.repeat(ids, p.counts) for ids, p in zip(keys.of_rank, plans)] or [np.zeros(0, int)]
+    )
+    row_ranks = np.repeat(np.arange(len(plans)), [len(p.coords) for p in plans])
+    coords = np.concatenate([widen(p.coords, dims) for p in plans] or [np.zeros((0, 2 * dims))])
+    # Group the rows by tensor (a stable sort keeps each tensor's rows in rank order); keys of
+    # 16 bits sort by radix.
+    narrow = np.uint16 if len(keys.tensors) < (1 << 16) else np.int64
+    order = np.argsort(row_keys.astype(narrow), kind="stable")
+    bounds = np.searchsorted(row_keys[order], np.arange(len(keys.tensors) + 1))
+    coords, row_ranks = coords[order], row_ranks[order]
+    del order, row_keys
+    out_keys, out_coords, out_writers = [], [], []
+    shared: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
+    done = 0  # distinct boxes of the tensors before
+    for k, (key, (_, shape, _)) in enumerate(keys.tensors.items()):
+        lo, hi = int(bounds[k]), int(bounds[k + 1])
+        rows, ranks = coords[lo:hi], row_ranks[lo:hi]
+        pattern = pattern_of(shape, rows)
+        if pattern.fault is not None:
+            _refuse(key, shape, pattern.fault, rows, ranks)
+        writers = ranks[pattern.first]
+        if pattern.replicated:
+            writers = writers.copy()
+            several = np.flatnonzero(pattern.counts > 1)
+            writers[several] = -1
+            grouped = ranks[np.argsort(pattern.inverse, kind="stable")]
+            ends = np.cumsum(pattern.counts)
+            starts = ends - pattern.counts
+            shared[k] = (
+                several + done,
+                [np.unique(grouped[starts[j] : ends[j]]) for j in several.tolist()],
+            )
+        out_keys.append(np.full(len(writers), k, dtype=np.int64))
+        out_coords.append(rows[pattern.first])
+        out_writers.append(writers)
+        done += len(writers)
+    empty = np.zeros(0, dtype=np.int64)
+    return _Boxes(
+        np.concatenate(out_keys or [empty]),
+        np.concatenate(out_coords or [np.zeros((0, 2 * dims), dtype=np.int64)]),
+        np.concatenate(out_writers or [empty]),
+        shared,
+    )
+
+
+def _refuse(
+    key: str, shape: tuple[int, ...], fault: TilingFault, rows: np.ndarray, ranks: np.ndarray
+) -> None:
+    dims, region = rows.shape[1] // 2, fault.region
+    ndim = len(shape)
+    lo, n = np.array(region.offsets, dtype=np.int64), np.array(region.lengths, dtype=np.int64)
+    offsets, lengths = rows[:, :ndim], rows[:, dims : dims + ndim]
+    meets = ((offsets < lo + n) & (offsets + lengths > lo) & (lengths > 0)).all(axis=1)
+    held = sorted(set(ranks[meets].tolist()))
+    shown = ", ".join(str(r) for r in held[:8]) + (" ..." if len(held) > 8 else "")
+    whose = f" (shards of ranks {shown})" if held else ""
+    raise CheckpointMismatchError(
+        f"the shards of '{key}' (global shape {list(shape)}) do not tile it: "
+        f"{fault.describe()}{whose}. Check the offsets and global shapes passed on each "
+        "rank: the distinct shards (replicas count once) must cover the tensor without gaps "
+        "or overlaps."
+    )
+
+
+def _balance(boxes: _Boxes, keys: _Keys, sizes: dict[str, int], world: int) -> None:
+    """Decide the writer of each box held by several ranks: the least-loaded of its holders
+    (then the lowest rank), tensors with the largest such boxes first. The boxes of one tensor
+    whose holders are disjoint (replica groups) are decided at once; others one by one,
+    largest first."""
+    if not boxes.shared:
+        return
+    names = list(keys.tensors)
+    nbytes = _numel(boxes.coords) * np.array([sizes[n] for n in names], dtype=np.int64)[boxes.keys]
+    single = boxes.writers >= 0
+    load = np.bincount(boxes.writers[single], weights=nbytes[single], minlength=world)
+    load = load.astype(np.int64)
+
+    def largest(k: int) -> tuple[int, str]:
+        return (-int(nbytes[boxes.shared[k][0]].max()), names[k])
+
+    for k in sorted(boxes.shared, key=largest):
+        where, holders = boxes.shared[k]
+        width = {len(h) for h in holders}
+        if len(width) == 1:
+            matrix = np.stack(holders)
+            if len(np.unique(matrix)) == matrix.size:  # disjoint: decide them at once
+                pick = matrix[np.arange(len(matrix)), np.argmin(load[matrix], axis=1)]
+                boxes.writers[where] = pick
+                np.add.at(load, pick, nbytes[where])
+                continue
+        coords = boxes.coords[where]
+        for j in sorted(range(len(where)), key=lambda j: (-nbytes[where[j]], coords[j].tolist())):
+            rank = min(holders[j].tolist(), key=lambda r: (load[r], r))
+            boxes.writers[where[j]] = rank
+            load[rank] += nbytes[where[j]]
+
+
+def _numel(coords: np.ndarray) -> np.ndarray:
+    dims = coords.shape[1] // 2
+    return np.prod(coords[:, dims:], axis=1, dtype=np.int64)
 
 
 def _layout_file(items: list[tuple[str, Box]], sizes: dict[str, int]) -> tuple[WriteItem, ...]:
@@ -319,7 +411,9 @@ def _layout_file(items: list[tuple[str, Box]], sizes: dict[str, int]) -> tuple[W
 
 def rank_loads(plan: GlobalPlan) -> list[int]:
     """Bytes each rank writes under ``plan``."""
-    return [plan.file_bytes(r) for r in range(plan.world_size)]
+    sizes = np.array([plan.itemsizes[n] for n in plan.names], dtype=np.int64)
+    nbytes = _numel(plan.box_coords) * sizes[plan.box_keys]
+    return np.bincount(plan.box_writers, weights=nbytes, minlength=plan.world_size).tolist()
 
 
 __all__ = [

@@ -189,3 +189,9 @@ def test_tensors_of_any_rank_and_dimensions_pack_together() -> None:
     }
     assert plan.chunks == 3
     assert first.packed().signature() == first.packed().signature() != packed.signature()
+
+
+def test_scalars_only_on_every_rank() -> None:
+    scalar = _decl((), Box((), ()), layout="replicated")
+    plan = build_global_plan([_plan({"a": scalar, "b": scalar}) for _ in range(3)])
+    assert sorted((i.key, r) for r in range(3) for i in plan.writes(r)) == [("a", 0), ("b", 1)]

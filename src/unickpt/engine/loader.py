@@ -22,7 +22,7 @@ from ..planning.load_keys import (
     not_loaded_warning,
     unread_message,
 )
-from ..planning.load_plan import ChunkIndex, ReadItem, check_chunks_tile, plan_reads
+from ..planning.load_plan import ReadItem, check_chunks_tile, plan_reads
 from ..storage.base import Storage
 from .commit import read_checkpoint
 from .read import ReadStats, execute_reads
@@ -152,9 +152,8 @@ def _plan_all_reads(plan: _Plan) -> list[ReadItem]:
         if stored is None:
             continue
         saved = meta.tensors[stored]
-        check_chunks_tile(stored, saved)
+        index = check_chunks_tile(stored, saved)
         if key not in skipped and leaf.pieces:
-            index = ChunkIndex(saved.chunks)
             reads.extend(plan_reads(stored, saved, meta.files, leaf.pieces, index))
     return reads
 

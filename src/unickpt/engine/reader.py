@@ -61,8 +61,7 @@ class CheckpointReader:
         stored = self.metadata.aliases.get(key, key)
         index = self._indexes.get(stored)
         if index is None:
-            check_chunks_tile(stored, meta)
-            index = self._indexes[stored] = ChunkIndex(meta.chunks)
+            index = self._indexes[stored] = check_chunks_tile(stored, meta)
         box = box or Box.whole(meta.shape)
         if out is None:
             out = torch.empty(box.lengths, dtype=dtype_from_name(meta.dtype))

@@ -17,11 +17,14 @@ import numpy as np
 
 from ..layouts.boxes import Box
 
+_INT32 = 1 << 31
+
 
 @dataclass(frozen=True, eq=False)
 class PackedPlan:
     """One rank's plan: ``table`` (JSON ``[[key, dtype, shape, layout], ...]``), ``counts``
-    (boxes per table entry, int64), ``coords`` (one row per box, entries in table order:
+    (boxes per table entry, int64), ``coords`` (int32 where every value fits, else int64; one
+    row per box, entries in table order:
     the offsets of ``dims`` dimensions, then their lengths; a tensor of fewer dimensions is
     padded with offset 0 and length 1), ``rest`` (JSON ``[value_keys, per_rank_keys,
     aliases]``)."""
@@ -70,6 +73,8 @@ def pack(
     table = json.dumps([[k, d, list(s), lay] for k, d, s, lay, _ in tensors]).encode()
     counts = np.fromiter((len(t[4]) for t in tensors), dtype=np.int64, count=len(tensors))
     coords = np.array(flat, dtype=np.int64).reshape(int(counts.sum()), 2 * dims)
+    if not len(flat) or (min(flat) >= 0 and max(flat) < _INT32):
+        coords = coords.astype(np.int32)  # half the bytes to send and to plan over
     return PackedPlan(table, counts, coords, encode_rest(value_keys, per_rank_keys, aliases))
 
 
@@ -85,7 +90,7 @@ def widen(coords: np.ndarray, dims: int) -> np.ndarray:
     have = coords.shape[1] // 2
     if have == dims:
         return coords
-    out = np.zeros((len(coords), 2 * dims), dtype=np.int64)
+    out = np.zeros((len(coords), 2 * dims), dtype=coords.dtype)
     out[:, dims:] = 1
     out[:, :have] = coords[:, :have]
     out[:, dims : dims + have] = coords[:, have:]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from ..layouts.boxes import Box
 from ..layouts.coverage import TilingFault, is_grid, tiling_fault
@@ -50,27 +51,29 @@ class Pattern:
         return len(self.first) != len(self.inverse)
 
 
-_KNOWN: dict[tuple[tuple[int, ...], bytes], Pattern] = {}
+_KNOWN: dict[tuple[tuple[int, ...], str, tuple[int, ...], bytes], Pattern] = {}
 _KEPT_BYTES_MAX = 256 << 20
 _kept_bytes = 0
 
 
 def pattern_of(shape: tuple[int, ...], rows: np.ndarray) -> Pattern:
     """The pattern of ``rows`` (packed coordinates of ``len(rows[0]) // 2`` dimensions) of a
-    tensor of ``shape``; remembered while the rows kept stay under a bound in bytes."""
+    tensor of ``shape``; remembered (by a 128-bit digest of the rows) while the patterns kept
+    stay under a bound in bytes."""
     global _kept_bytes
-    raw = rows.tobytes()
-    key = (shape, raw)
+    rows = np.ascontiguousarray(rows)
+    key = (shape, rows.dtype.str, rows.shape, xxhash.xxh3_128_digest(rows.data))
     found = _KNOWN.get(key)
     if found is not None:
         return found
     found = _pattern(shape, rows)
-    if len(raw) <= _KEPT_BYTES_MAX // 4:
-        if _kept_bytes + len(raw) > _KEPT_BYTES_MAX:
+    size = found.first.nbytes + found.inverse.nbytes + found.counts.nbytes
+    if size <= _KEPT_BYTES_MAX // 4:
+        if _kept_bytes + size > _KEPT_BYTES_MAX:
             _KNOWN.clear()
             _kept_bytes = 0
         _KNOWN[key] = found
-        _kept_bytes += len(raw)
+        _kept_bytes += size
     return found
 
 

@@ -188,8 +188,10 @@ def _collect_tensors(plans: list[PackedPlan]) -> _Keys:
     keys = _Keys()
     index: dict[str, int] = {}
     seen: dict[bytes, np.ndarray] = {}
+    last: tuple[bytes, np.ndarray] | None = None
     for rank, plan in enumerate(plans):
-        ids = seen.get(plan.table)
+        # The table of the rank before, compared without hashing it, is the common case.
+        ids = last[1] if last is not None and plan.table == last[0] else seen.get(plan.table)
         if ids is None:
             found = []
             for key, dtype, shape, layout in plan.entries():
@@ -208,6 +210,7 @@ def _collect_tensors(plans: list[PackedPlan]) -> _Keys:
                     )
                 found.append(index[key])
             ids = seen[plan.table] = np.array(found, dtype=np.int64)
+        last = (plan.table, ids)
         keys.of_rank.append(ids)
     return keys
 
@@ -292,53 +295,85 @@ class _Boxes:
     shared: dict[int, tuple[np.ndarray, list[np.ndarray]]]
 
 
-def _distinct_boxes(plans: list[PackedPlan], keys: _Keys) -> _Boxes:
-    """Every rank's boxes grouped by tensor, deduplicated, checked to tile their tensor."""
-    dims = max((p.dims for p in plans), default=0)
+def _rows_by_tensor(
+    plans: list[PackedPlan], keys: _Keys
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Every rank's rows grouped by tensor: (coords, ranks, bounds), tensor ``k``'s rows at
+    ``bounds[k]:bounds[k + 1]``.
+
+    Ranks that split alike (one table, as many boxes per tensor) are stacked tensor-major in one
+    pass; otherwise the rows are sorted by tensor (stably, so in rank order; by radix for keys
+    of 16 bits).
+    """
+    world, dims = len(plans), max((p.dims for p in plans), default=0)
+    first = plans[0]
+    if all(_alike(p, first) for p in plans):
+        stacked = np.stack([p.coords for p in plans], axis=1)  # box of the table, rank, coords
+        ends = np.cumsum(first.counts).tolist()
+        bounds = [0] + [world * e for e in ends]
+        ranks = np.concatenate(
+            [np.tile(np.arange(world, dtype=np.int32), c) for c in first.counts.tolist()]
+            or [np.zeros(0, dtype=np.int32)]
+        )
+        return stacked.reshape(len(ranks), 2 * dims), ranks, bounds
     row_keys = np.concatenate(
         [np.repeat(ids, p.counts) for ids, p in zip(keys.of_rank, plans)] or [np.zeros(0, int)]
     )
-    row_ranks = np.repeat(np.arange(len(plans)), [len(p.coords) for p in plans])
-    coords = np.concatenate([widen(p.coords, dims) for p in plans] or [np.zeros((0, 2 * dims))])
-    # Group the rows by tensor (a stable sort keeps each tensor's rows in rank order); keys of
-    # 16 bits sort by radix.
+    row_ranks = np.repeat(np.arange(world, dtype=np.int32), [len(p.coords) for p in plans])
+    coords = np.concatenate(
+        [widen(p.coords, dims) for p in plans] or [np.zeros((0, 2 * dims), dtype=np.int64)]
+    )
     narrow = np.uint16 if len(keys.tensors) < (1 << 16) else np.int64
     order = np.argsort(row_keys.astype(narrow), kind="stable")
-    bounds = np.searchsorted(row_keys[order], np.arange(len(keys.tensors) + 1))
-    coords, row_ranks = coords[order], row_ranks[order]
-    del order, row_keys
-    out_keys, out_coords, out_writers = [], [], []
+    bounds = np.searchsorted(row_keys[order], np.arange(len(keys.tensors) + 1)).tolist()
+    return coords[order], row_ranks[order], bounds
+
+
+def _alike(plan: PackedPlan, other: PackedPlan) -> bool:
+    """Whether two ranks hold the same tensors with as many boxes each, packed alike."""
+    return (
+        plan.coords.shape == other.coords.shape
+        and plan.coords.dtype == other.coords.dtype
+        and plan.table == other.table
+        and np.array_equal(plan.counts, other.counts)
+    )
+
+
+def _distinct_boxes(plans: list[PackedPlan], keys: _Keys) -> _Boxes:
+    """Every rank's boxes grouped by tensor, deduplicated, checked to tile their tensor."""
+    coords, row_ranks, bounds = _rows_by_tensor(plans, keys)
+    picked: dict[int, np.ndarray] = {}  # the distinct rows of tensors with replicas
+    writers = row_ranks
     shared: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
-    done = 0  # distinct boxes of the tensors before
     for k, (key, (_, shape, _)) in enumerate(keys.tensors.items()):
-        lo, hi = int(bounds[k]), int(bounds[k + 1])
+        lo, hi = bounds[k], bounds[k + 1]
         rows, ranks = coords[lo:hi], row_ranks[lo:hi]
         pattern = pattern_of(shape, rows)
         if pattern.fault is not None:
             _refuse(key, shape, pattern.fault, rows, ranks)
-        writers = ranks[pattern.first]
-        if pattern.replicated:
-            writers = writers.copy()
-            several = np.flatnonzero(pattern.counts > 1)
-            writers[several] = -1
-            grouped = ranks[np.argsort(pattern.inverse, kind="stable")]
-            ends = np.cumsum(pattern.counts)
-            starts = ends - pattern.counts
-            shared[k] = (
-                several + done,
-                [np.unique(grouped[starts[j] : ends[j]]) for j in several.tolist()],
-            )
-        out_keys.append(np.full(len(writers), k, dtype=np.int64))
-        out_coords.append(rows[pattern.first])
-        out_writers.append(writers)
-        done += len(writers)
-    empty = np.zeros(0, dtype=np.int64)
-    return _Boxes(
-        np.concatenate(out_keys or [empty]),
-        np.concatenate(out_coords or [np.zeros((0, 2 * dims), dtype=np.int64)]),
-        np.concatenate(out_writers or [empty]),
-        shared,
-    )
+        if not pattern.replicated:
+            continue
+        picked[k] = pattern.first
+        several = np.flatnonzero(pattern.counts > 1)
+        grouped = ranks[np.argsort(pattern.inverse, kind="stable")]
+        ends = np.cumsum(pattern.counts)
+        starts = ends - pattern.counts
+        shared[k] = (several, [np.unique(grouped[starts[j] : ends[j]]) for j in several.tolist()])
+    counts: np.ndarray = np.diff(np.array(bounds, dtype=np.int64))
+    if picked:  # keep the distinct rows only; number the shared boxes as kept
+        keep = [
+            np.arange(lo, hi) if k not in picked else lo + picked[k]
+            for k, (lo, hi) in enumerate(itertools.pairwise(bounds))
+        ]
+        counts = np.array([len(x) for x in keep], dtype=np.int64)
+        index = np.concatenate(keep or [np.zeros(0, dtype=np.int64)])
+        coords, writers = coords[index], row_ranks[index].copy()
+        before = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        shared = {k: (where + before[k], held) for k, (where, held) in shared.items()}
+        for where, _ in shared.values():
+            writers[where] = -1
+    box_keys = np.repeat(np.arange(len(keys.tensors), dtype=np.int32), counts)
+    return _Boxes(box_keys, coords, writers, shared)
 
 
 def _refuse(

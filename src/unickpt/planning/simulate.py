@@ -155,14 +155,15 @@ def _load(plan: GlobalPlan, meta: Metadata, indexes: dict[int, bytes], tp: int) 
     d, t = divmod(plan.world_size - 1, tp)
     reads = 0
     for key, tensor in saved.tensors.items():
-        check_chunks_tile(key, tensor)
+        index = check_chunks_tile(key, tensor)
         rows, cols = tensor.shape
         r0, rn = (int(x) for x in _split(np.array(rows), dp, d))
         c0, cn = (int(x) for x in _split(np.array(cols), tp, t))
         if not rn or not cn:
             continue
         dest = torch.empty((rn, cn), device="meta")
-        reads += len(plan_reads(key, tensor, saved.files, [(Box((r0, c0), (rn, cn)), dest)]))
+        pieces = [(Box((r0, c0), (rn, cn)), dest)]
+        reads += len(plan_reads(key, tensor, saved.files, pieces, index))
     plan_s = clock.lap()
     return {
         "load_tp": tp,

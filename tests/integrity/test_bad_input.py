@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 

@@ -21,7 +21,7 @@ from ..format.dtypes import dtype_from_name, itemsize
 from ..layouts.boxes import Box
 from ..layouts.coverage import TilingFault
 from .packed import PackedPlan, box_of, pack, widen
-from .patterns import pattern_of
+from .patterns import Pattern, pattern_of
 
 CHUNK_ALIGN = 64
 """Chunks start at multiples of this many bytes in a data file, so any dtype views them."""
@@ -284,6 +284,9 @@ def _collect_aliases(
     return aliases
 
 
+_Held = np.ndarray | list[np.ndarray]
+
+
 @dataclass
 class _Boxes:
     """The distinct boxes of every tensor: key index, packed coordinates, writer (-1 until
@@ -292,7 +295,7 @@ class _Boxes:
     keys: np.ndarray
     coords: np.ndarray
     writers: np.ndarray
-    shared: dict[int, tuple[np.ndarray, list[np.ndarray]]]
+    shared: dict[int, tuple[np.ndarray, _Held]]
 
 
 def _rows_by_tensor(
@@ -344,7 +347,7 @@ def _distinct_boxes(plans: list[PackedPlan], keys: _Keys) -> _Boxes:
     coords, row_ranks, bounds = _rows_by_tensor(plans, keys)
     picked: dict[int, np.ndarray] = {}  # the distinct rows of tensors with replicas
     writers = row_ranks
-    shared: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
+    shared: dict[int, tuple[np.ndarray, _Held]] = {}
     for k, (key, (_, shape, _)) in enumerate(keys.tensors.items()):
         lo, hi = bounds[k], bounds[k + 1]
         rows, ranks = coords[lo:hi], row_ranks[lo:hi]
@@ -354,11 +357,7 @@ def _distinct_boxes(plans: list[PackedPlan], keys: _Keys) -> _Boxes:
         if not pattern.replicated:
             continue
         picked[k] = pattern.first
-        several = np.flatnonzero(pattern.counts > 1)
-        grouped = ranks[np.argsort(pattern.inverse, kind="stable")]
-        ends = np.cumsum(pattern.counts)
-        starts = ends - pattern.counts
-        shared[k] = (several, [np.unique(grouped[starts[j] : ends[j]]) for j in several.tolist()])
+        shared[k] = _holders(pattern, ranks)
     counts: np.ndarray = np.diff(np.array(bounds, dtype=np.int64))
     if picked:  # keep the distinct rows only; number the shared boxes as kept
         keep = [
@@ -374,6 +373,21 @@ def _distinct_boxes(plans: list[PackedPlan], keys: _Keys) -> _Boxes:
             writers[where] = -1
     box_keys = np.repeat(np.arange(len(keys.tensors), dtype=np.int32), counts)
     return _Boxes(box_keys, coords, writers, shared)
+
+
+def _holders(pattern: Pattern, ranks: np.ndarray) -> tuple[np.ndarray, _Held]:
+    """The distinct boxes of several holders, and those holders (ascending): one row each of a
+    matrix where every box has as many distinct holders (replica groups), else a list."""
+    several = np.flatnonzero(pattern.counts > 1)
+    grouped = ranks[np.argsort(pattern.inverse, kind="stable")]
+    ends = np.cumsum(pattern.counts)
+    starts = ends - pattern.counts
+    width = pattern.counts[several]
+    if (width == width[0]).all():
+        matrix = np.sort(grouped[starts[several][:, None] + np.arange(width[0])], axis=1)
+        if (matrix[:, 1:] != matrix[:, :-1]).all():
+            return several, matrix
+    return several, [np.unique(grouped[starts[j] : ends[j]]) for j in several.tolist()]
 
 
 def _refuse(
@@ -413,14 +427,12 @@ def _balance(boxes: _Boxes, keys: _Keys, sizes: dict[str, int], world: int) -> N
 
     for k in sorted(boxes.shared, key=largest):
         where, holders = boxes.shared[k]
-        width = {len(h) for h in holders}
-        if len(width) == 1:
-            matrix = np.stack(holders)
-            if len(np.unique(matrix)) == matrix.size:  # disjoint: decide them at once
-                pick = matrix[np.arange(len(matrix)), np.argmin(load[matrix], axis=1)]
-                boxes.writers[where] = pick
-                np.add.at(load, pick, nbytes[where])
-                continue
+        if isinstance(holders, np.ndarray) and np.bincount(holders.ravel()).max() == 1:
+            # disjoint holders: decide them at once
+            pick = holders[np.arange(len(holders)), np.argmin(load[holders], axis=1)]
+            boxes.writers[where] = pick
+            np.add.at(load, pick, nbytes[where])
+            continue
         coords = boxes.coords[where]
         for j in sorted(range(len(where)), key=lambda j: (-nbytes[where[j]], coords[j].tolist())):
             rank = min(holders[j].tolist(), key=lambda r: (load[r], r))

@@ -1,8 +1,10 @@
 """Planning at scale without processes: an FSDP x TP job of many ranks, simulated.
 
-Every rank's local plan is built as that rank would (TP splits the columns of each matrix,
-FSDP splits the TP block's rows), then the global plan and the metadata are built exactly as a
-save does. Reports the time of each step and the metadata size.
+Every rank's packed local plan is built as that rank would (TP splits the columns of each
+matrix, FSDP splits its rows), then the global plan and the metadata are built exactly as a
+save does; then a restore on as many ranks with another TP degree: one loading rank's cost of
+reading the chunk indexes (from a sample of index files) and of planning its reads, as a load
+does. Reports the time of each step and the metadata size.
 
 >>> simulate_fsdp_tp(ranks=64, tensors=20)["chunks"]
 1280
@@ -149,6 +151,7 @@ def _load(plan: GlobalPlan, meta: Metadata, indexes: dict[int, bytes], tp: int) 
     decoded = [decode_index(raw, "index", rank) for rank, raw in indexes.items()]
     assemble(meta, decoded)
     read_s = clock.lap() * plan.world_size / len(indexes)
+    read_cpu_s = clock.cpu() * plan.world_size / len(indexes)
     saved = _assembled(plan, meta)
     clock.lap()
     dp = plan.world_size // tp
@@ -168,6 +171,7 @@ def _load(plan: GlobalPlan, meta: Metadata, indexes: dict[int, bytes], tp: int) 
     return {
         "load_tp": tp,
         "load_read_indexes_s_est": round(read_s, 3),
+        "load_read_indexes_cpu_s_est": round(read_cpu_s, 3),
         "load_plan_s": round(plan_s, 3),
         "load_plan_cpu_s": round(clock.cpu(), 3),
         "load_reads_per_rank": reads,

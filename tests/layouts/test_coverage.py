@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unickpt.layouts.boxes import Box, flat_range_to_boxes
-from unickpt.layouts.coverage import cached_tiling_fault, format_region, is_grid, tiling_fault
+from unickpt.layouts.coverage import format_region, is_grid, tiling_fault
 
 shapes = st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple)
 
@@ -136,14 +136,6 @@ def test_large_grids_and_flat_ranges_stay_fast() -> None:
     assert tiling_fault((1024, 1024), flat) is None
     broken = tiling_fault((1024, 1024), [*grid[:-1], Box((1016, 1016), (8, 7))])
     assert broken is not None and format_region(broken.region) == "[1016:1024, 1023:1024]"
-
-
-def test_cached_check_remembers_patterns() -> None:
-    boxes = [Box((0, 0), (2, 3)), Box((2, 0), (2, 3))]
-    assert cached_tiling_fault((4, 3), boxes) is None
-    bad = [Box((0, 0), (2, 3)), Box((1, 0), (2, 3))]
-    first = cached_tiling_fault((4, 3), bad)
-    assert first is not None and first is cached_tiling_fault((4, 3), list(bad))
 
 
 def _rows(boxes: list[Box]) -> tuple[np.ndarray, np.ndarray]:

@@ -48,3 +48,12 @@ def test_pattern_dedups_rows_and_agrees_with_counting(
     for b in distinct:
         counts[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.lengths))] += 1
     assert (pattern.fault is None) == bool((counts == 1).all())
+
+
+def test_patterns_are_remembered_per_split() -> None:
+    boxes = (Box((0, 0), (2, 3)), Box((2, 0), (2, 3)))
+    rows = pack([("t", "float32", (4, 3), "sharded", boxes)], (), (), {}).coords
+    assert pattern_of((4, 3), rows) is pattern_of((4, 3), rows.copy())
+    assert pattern_of((4, 3), rows).fault is None
+    assert pattern_of((5, 3), rows) is not pattern_of((4, 3), rows)
+    assert pattern_of((5, 3), rows).fault is not None

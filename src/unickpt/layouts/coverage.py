@@ -13,7 +13,6 @@ which makes grids (DTensor and block layouts), flat-range decompositions and col
 
 from __future__ import annotations
 
-import array
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -165,45 +164,3 @@ def _scan(spans: list[_Span], size: int, dim: int) -> _Fault | None:
     if pos < size:
         return "gap", (pos,), (size,)
     return None
-
-
-# Checks by (shape, boxes packed as offsets and lengths): a state of thousands of tensors split
-# the same way pays the sweep once per pattern. What is kept is bounded in bytes.
-_CHECKED: dict[tuple[tuple[int, ...], bytes], TilingFault | None] = {}
-_KEPT_BYTES_MAX = 64 << 20
-_kept_bytes = 0
-
-
-def pack(boxes: Sequence[Box]) -> bytes:
-    """The offsets and lengths of ``boxes``, packed: equal bytes, equal boxes in equal order."""
-    coords = array.array("q")
-    for b in boxes:
-        coords.extend(b.offsets)
-        coords.extend(b.lengths)
-    return coords.tobytes()
-
-
-def cached_tiling_fault(
-    shape: tuple[int, ...], boxes: Sequence[Box], packed: bytes | None = None
-) -> TilingFault | None:
-    """:func:`tiling_fault`, remembered per distinct (shape, boxes). ``packed`` is
-    :func:`pack` of ``boxes`` where the caller has it already."""
-    global _kept_bytes
-    if len(boxes) == 1:
-        box = boxes[0]
-        if box.lengths == shape and not any(box.offsets):
-            return None
-    key = (shape, pack(boxes) if packed is None else packed)
-    try:
-        return _CHECKED[key]
-    except KeyError:
-        pass
-    found = tiling_fault(shape, boxes)
-    size = len(key[1])
-    if size <= _KEPT_BYTES_MAX // 4:
-        if _kept_bytes + size > _KEPT_BYTES_MAX:
-            _CHECKED.clear()
-            _kept_bytes = 0
-        _CHECKED[key] = found
-        _kept_bytes += size
-    return found

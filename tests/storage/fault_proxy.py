@@ -2,8 +2,9 @@
 
 Each request is read whole from the client, then, at random: forwarded and answered; answered
 with 503 SlowDown or 500 InternalError without reaching the server; dropped (the connection
-closed with no answer, the server never sees it); or forwarded and its answer cut off halfway
-(the server did the work, the client sees a dropped connection mid-response). ``counts`` says
+closed with no answer, the server never sees it); or forwarded and its answer cut off (halfway
+through the body, or in the status line when there is no body: the server did the work, the
+client sees a dropped connection). ``counts`` says
 how many of each happened.
 """
 
@@ -86,11 +87,11 @@ class FaultProxy:
                 if upstream is None:
                     upstream = http.client.HTTPConnection("127.0.0.1", self.upstream_port)
                 upstream.request(method, target, body=body, headers=headers)
-                raw = _response_bytes(upstream.getresponse(), method)
-                if fault == "cut":
-                    conn.sendall(raw[: max(1, len(raw) // 2)])
+                head, body = _response(upstream.getresponse(), method)
+                if fault == "cut":  # mid-body, or mid-status-line when there is no body
+                    conn.sendall(head + body[: len(body) // 2] if body else head[:5])
                     return
-                conn.sendall(raw)
+                conn.sendall(head + body)
         except (OSError, http.client.HTTPException):
             return
         finally:
@@ -133,7 +134,8 @@ def _read_chunked(rfile: BinaryIO) -> bytes:
     return bytes(out)
 
 
-def _response_bytes(resp: http.client.HTTPResponse, method: str) -> bytes:
+def _response(resp: http.client.HTTPResponse, method: str) -> tuple[bytes, bytes]:
+    """The upstream's answer as the head and the body to send on."""
     body = resp.read()
     head = [f"HTTP/1.1 {resp.status} {resp.reason}"]
     for k, v in resp.getheaders():
@@ -142,7 +144,7 @@ def _response_bytes(resp: http.client.HTTPResponse, method: str) -> bytes:
         head.append(f"{k}: {v}")
     if method != "HEAD":
         head.append(f"Content-Length: {len(body)}")
-    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1"), body
 
 
 def _error_response(status: int, reason: str, code: str, message: str) -> bytes:

@@ -148,7 +148,7 @@ def test_the_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(s3_bucket: 
     quick = s3_settings(lock_stale_s=0.4)
     release = S3Storage(url, settings=quick).acquire_lock()
     time.sleep(1.2)
-    with pytest.raises(unickpt.CheckpointLockedError, match="refreshed 0 s ago"):
+    with pytest.raises(unickpt.CheckpointLockedError, match=r"refreshed [01] s ago"):
         S3Storage(url, settings=quick).acquire_lock()
     release()
 

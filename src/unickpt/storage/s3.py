@@ -67,6 +67,7 @@ class _MultipartHandle(WriteHandle):
             lambda: store.client.create_multipart_upload(Bucket=store.bucket, Key=key),
         )
         self._upload_id = str(resp["UploadId"])
+        store.abort_uploads(key, keep=self._upload_id)  # those of a retried lost answer
 
     def _write_part(self, index: int, buffers: list[memoryview]) -> None:
         s = self._store
@@ -328,16 +329,21 @@ class S3Storage(Storage):
                         "permissions and delete the folder by hand."
                     )
 
-    def abort_uploads(self, folder: str | None = None) -> int:
-        """Abort the unfinished multipart uploads under ``folder`` (default: this folder);
-        how many there were."""
-        folder = self._folder() if folder is None else folder
+    def abort_uploads(self, prefix: str | None = None, keep: str | None = None) -> int:
+        """Abort the unfinished multipart uploads under ``prefix`` (default: this folder), but
+        the upload ``keep``; how many there were."""
+        prefix = self._folder() if prefix is None else prefix
         pages = self._pages(
             "list_multipart_uploads",
-            f"listing the uploads of s3://{self.bucket}/{folder}",
-            Prefix=folder,
+            f"listing the uploads of s3://{self.bucket}/{prefix}",
+            Prefix=prefix,
         )
-        uploads = [(u["Key"], u["UploadId"]) for page in pages for u in page.get("Uploads", ())]
+        uploads = [
+            (u["Key"], u["UploadId"])
+            for page in pages
+            for u in page.get("Uploads", ())
+            if u["UploadId"] != keep
+        ]
         for key, upload_id in uploads:
             log.info("aborting the unfinished upload of s3://%s/%s", self.bucket, key)
             self.abort_upload(key, upload_id)

@@ -84,10 +84,11 @@ _CLIENTS_LOCK = threading.Lock()
 _ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_ACCESS_KEY_ID")
 
 
-def client_for(settings: S3Settings) -> Any:
+def client_for(settings: S3Settings, endpoint_url: str | None = None) -> Any:
     """One thread-safe boto3 S3 client per process, settings and AWS environment (a fork, or
-    another endpoint or profile in the environment, makes a new one)."""
-    key = (os.getpid(), astuple(settings), *(os.environ.get(v) for v in _ENV))
+    another endpoint or profile in the environment, makes a new one). ``endpoint_url``
+    overrides the environment's endpoint."""
+    key = (os.getpid(), astuple(settings), endpoint_url, *(os.environ.get(v) for v in _ENV))
     with _CLIENTS_LOCK:
         client = _CLIENTS.get(key)
         if client is None:
@@ -98,7 +99,8 @@ def client_for(settings: S3Settings) -> Any:
                 max_pool_connections=settings.max_pool_connections,
                 s3={"addressing_style": settings.addressing_style},
             )
-            client = boto3.session.Session().client("s3", config=config)
+            session = boto3.session.Session()
+            client = session.client("s3", endpoint_url=endpoint_url, config=config)
             _CLIENTS[key] = client
         return client
 

@@ -219,7 +219,7 @@ def test_a_save_killed_mid_upload(
     assert uploads(s3_endpoint, s3_bucket, "killed/") != []
     ckpt = unickpt.Checkpointer(root)
     assert ckpt.steps() == [1]
-    dest = {"w": torch.zeros(1000), "step": -1}
+    dest: dict[str, Any] = {"w": torch.zeros(1000), "step": -1}
     assert ckpt.load_latest(dest) == 1 and torch.equal(dest["w"], torch.full((1000,), 1.0))
     # the next writer takes over the dead writer's lock once stale, aborts its uploads and
     # removes its folder

@@ -294,9 +294,15 @@ class BufferStream(io.RawIOBase):
     def read(self, size: int = -1) -> bytes:
         left = len(self) - self._pos
         size = left if size is None or size < 0 else min(size, left)
-        out = bytearray(size)
-        n = self.readinto(out)
-        return bytes(out[:n])
+        pieces = []
+        while size > 0:
+            i = _find(self._starts, self._pos)
+            at = self._pos - self._starts[i]
+            k = min(size, self._buffers[i].nbytes - at)
+            pieces.append(self._buffers[i][at : at + k])
+            self._pos += k
+            size -= k
+        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
 
 
 def _find(starts: list[int], pos: int) -> int:

@@ -210,3 +210,22 @@ def test_checkpointer_and_command_line(
     dest = _blank()
     unickpt.load(back, dest)
     _assert_same(dest, _state(4))
+
+
+def test_requests_tried_again_after_a_lost_answer(s3_endpoint: str, s3_bucket: str) -> None:
+    """Completing an upload or taking the lock a second time, as a retry does when the first
+    answer was lost, finds the work done and succeeds."""
+    from unickpt.storage.s3_lock import S3Lock
+
+    s = S3Storage(f"s3://{s3_bucket}/again")
+    h = s.create("data-c-00000.bin", [5 * MiB, 7])
+    h.write_part(0, [memoryview(bytes(5 * MiB))])
+    h.write_part(1, [memoryview(b"1234567")])
+    h.complete()
+    h._complete()  # the upload is gone: the object of the right size is there
+    assert s.size("data-c-00000.bin") == 5 * MiB + 7
+    lock = S3Lock(s.client, s.settings, s3_bucket, "again/LOCK")
+    etag = lock._take()
+    assert lock._take() == etag, "the lock object holds this writer's token"
+    with pytest.raises(unickpt.CheckpointLockedError):
+        s.acquire_lock()

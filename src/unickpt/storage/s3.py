@@ -15,7 +15,6 @@ a conditional PUT (:mod:`.s3_lock`). Client settings, retries and errors: :mod:`
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -106,11 +105,10 @@ class _MultipartHandle(WriteHandle):
         self._done = True
 
     def _landed(self) -> bool:
-        """Whether the object under the key is this upload, completed (by its ETag)."""
+        """Whether the object under the key is this upload, completed (the key is unique to
+        this save, so an object of the file's size there is this one)."""
         head = self._store._head(self._key)
-        return head is not None and head.get("ETag") == multipart_etag(
-            [self._etags[i] for i in range(len(self.part_sizes))]
-        )
+        return head is not None and int(head.get("ContentLength", -1)) == self.nbytes
 
     def _discard(self) -> None:
         s = self._store
@@ -123,14 +121,6 @@ class _MultipartHandle(WriteHandle):
                 )
         except CheckpointError as e:
             log.warning("%s; the next writer of %s removes it", e, s.location)
-
-
-def multipart_etag(part_etags: Sequence[str]) -> str:
-    """The ETag S3 gives a completed multipart upload of unencrypted parts with these ETags."""
-    md5 = hashlib.md5(usedforsecurity=False)
-    for etag in part_etags:
-        md5.update(bytes.fromhex(etag.strip('"')))
-    return f'"{md5.hexdigest()}-{len(part_etags)}"'
 
 
 class _SingleHandle(WriteHandle):
@@ -387,4 +377,4 @@ _TOKENS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
 
 register_backend("s3", S3Storage)
 
-__all__ = ["S3Storage", "TransferStats", "multipart_etag", "parse_s3_url"]
+__all__ = ["S3Storage", "TransferStats", "parse_s3_url"]

@@ -229,3 +229,14 @@ def test_requests_tried_again_after_a_lost_answer(s3_endpoint: str, s3_bucket: s
     assert lock._take() == etag, "the lock object holds this writer's token"
     with pytest.raises(unickpt.CheckpointLockedError):
         s.acquire_lock()
+
+
+def test_urls(s3_endpoint: str) -> None:
+    s = open_storage("s3://bkt/a/b/")
+    assert isinstance(s, S3Storage) and (s.bucket, s.prefix) == ("bkt", "a/b")
+    assert s.location == "s3://bkt/a/b" and s.child("c").location == "s3://bkt/a/b/c"
+    assert open_storage("s3://bkt").location == "s3://bkt"
+    with pytest.raises(unickpt.CheckpointError, match="names no bucket"):
+        open_storage("s3:///x")
+    with pytest.raises(unickpt.CheckpointError, match=r"NoSuchBucket.*does not exist"):
+        open_storage("s3://no-such-bucket-here/x").write_atomic("f", b"1")

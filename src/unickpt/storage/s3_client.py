@@ -6,10 +6,10 @@ client's own knobs are :class:`S3Settings`, overridden by ``UNICKPT_S3_<FIELD>``
 
 Retries come in two layers. botocore's "standard" mode retries every request on throttling
 (503 SlowDown), 500/502/504 and dropped connections, with jittered exponential backoff, up to
-``max_attempts`` attempts. Around it, :func:`call` retries such failures again (``rounds``
-times, with backoff) for the requests botocore cannot finish on its own (its retry quota
-exhausted under a long outage) and :func:`read_range` resumes a ranged GET whose body was cut
-off mid-stream from the first byte it did not get.
+``max_attempts`` attempts. It also keeps a retry quota that many failures drain, after which
+it stops retrying; so around it, :func:`call` tries a request botocore gave up on again, with
+its own backoff, until ``max_attempts * rounds`` tries have failed, and :func:`read_range`
+resumes a ranged GET whose body was cut off mid-stream from the first byte it did not get.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 MiB = 1 << 20
 _READ_STEP = 8 * MiB
+_MAX_BACKOFF_S = 8.0
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,10 @@ class S3Settings:
     max_attempts: int = 8
     """Attempts per request inside botocore (503 SlowDown, 500s, dropped connections)."""
     rounds: int = 3
-    """Times a request botocore gave up on is tried again (with backoff) before failing."""
+    """A request botocore gave up on is tried again until ``max_attempts * rounds`` tries
+    failed (botocore gives up early once many failures drain its retry quota)."""
     backoff_s: float = 0.5
-    """First wait between rounds (doubled each round, jittered)."""
+    """First wait between those tries (doubled each time up to 8 s, jittered)."""
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 120.0
     max_pool_connections: int = 64
@@ -159,22 +161,25 @@ def s3_error(e: BaseException, what: str) -> CheckpointError:
     return CheckpointError(f"{what} failed: {found}; {hint}")
 
 
-def backoff(settings: S3Settings, round_: int) -> None:
-    time.sleep(settings.backoff_s * (2**round_) * (0.5 + random.random() / 2))
+def backoff(settings: S3Settings, failures: int) -> None:
+    """Wait before the next try after ``failures`` failed ones (from 1)."""
+    wait_s = min(settings.backoff_s * 2 ** min(failures - 1, 10), _MAX_BACKOFF_S)
+    time.sleep(wait_s * (0.5 + random.random() / 2))
 
 
 def call(settings: S3Settings, what: str, fn: Callable[[], T]) -> T:
     """``fn()``, tried again on transient failures botocore gave up on; errors explained."""
-    for round_ in range(settings.rounds):
+    tries = settings.max_attempts * settings.rounds
+    for failures in range(1, tries + 1):
         try:
             return fn()
         except CheckpointError:
             raise
         except Exception as e:
-            if not is_transient(e) or round_ == settings.rounds - 1:
+            if not is_transient(e) or failures == tries:
                 raise s3_error(e, what) from e
             log.warning("%s: %s; trying again", what, e)
-            backoff(settings, round_)
+            backoff(settings, failures)
     raise AssertionError("unreachable")
 
 
@@ -211,7 +216,7 @@ def read_range(
         if not is_transient(cause) or failures >= settings.max_attempts * settings.rounds:
             raise s3_error(cause, f"reading {where}") from cause
         log.info("reading %s: %s at byte %d; resuming", where, type(cause).__name__, first)
-        backoff(settings, min(failures - 1, 4))
+        backoff(settings, failures)
 
 
 def _drain(body: Any, out: memoryview) -> int:

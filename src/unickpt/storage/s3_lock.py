@@ -16,7 +16,6 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -24,7 +23,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any
 
 from ..errors import CheckpointLockedError
-from .s3_client import S3Settings, call, error_code, s3_error
+from .s3_client import S3Settings, backoff, call, error_code, s3_error
 
 log = logging.getLogger(__name__)
 
@@ -157,4 +156,4 @@ class S3Lock:
                 if round_ == self.settings.rounds - 1:
                     log.warning("%s", s3_error(e, f"releasing {self.where}"))
                     return
-                time.sleep(self.settings.backoff_s * 2**round_)
+                backoff(self.settings, round_ + 1)

@@ -14,12 +14,13 @@ import torch
 import unickpt
 from unickpt.cli.main import main
 from unickpt.config import get_config
-from unickpt.storage import open_storage
+from unickpt.storage import Storage, open_storage
 from unickpt.storage.s3 import S3Storage
 from unickpt.storage.s3_client import s3_settings
 from unickpt.tools import verify_checkpoint
 
 from .s3_server import keys, raw_client, uploads
+from .scenarios import async_and_refused_saves, checkpointer_and_command_line
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -89,17 +90,8 @@ def test_save_load_reshard_and_damage(s3_endpoint: str, s3_bucket: str) -> None:
 
 
 def test_async_save_and_failed_saves_leave_nothing(s3_endpoint: str, s3_bucket: str) -> None:
-    url = f"s3://{s3_bucket}/async"
-    state = _state(2)
-    unickpt.async_save(url, state, config=CONFIG).wait()
-    with pytest.raises(unickpt.CheckpointExistsError):
-        unickpt.save(url, _state(3), config=CONFIG)
-    dest = _blank()
-    unickpt.load(url, dest)
-    _assert_same(dest, state)
     bad = f"s3://{s3_bucket}/bad"
-    with pytest.raises(unickpt.UnsafeObjectError):
-        unickpt.save(bad, {**_state(4), "o": object()}, config=CONFIG)
+    async_and_refused_saves(f"s3://{s3_bucket}/async", bad, _state, _blank, _assert_same, CONFIG)
     assert keys(s3_endpoint, s3_bucket, "bad/") == []
     with pytest.raises(unickpt.CheckpointNotFoundError, match="missing or empty"):
         unickpt.load(bad, _blank())
@@ -171,36 +163,16 @@ def test_checkpointer_and_command_line(
     s3_endpoint: str, s3_bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root = f"s3://{s3_bucket}/run"
-    with unickpt.Checkpointer(root, keep_last=2, config=CONFIG) as ckpt:
-        for step in range(4):
-            ckpt.save(step, _state(step))
-        ckpt.wait()
-        assert ckpt.steps() == [2, 3]
-        assert ckpt.path(3) == f"{root}/step-000000003"
-    assert not [k for k in keys(s3_endpoint, s3_bucket) if "/step-000000001/" in k]
-    # an interrupted save's folder: ignored by listings, removed by the next save
-    storage = open_storage(root)
-    storage.child("step-000000009").write_atomic("data-x-00000.bin", b"partial")
-    storage.child("step-000000009").create("data-y-00000.bin", [5 * MiB, 1]).write_part(
-        0, [memoryview(bytes(5 * MiB))]
+
+    def unfinished_upload(step: Storage) -> None:
+        step.create("data-y-00000.bin", [5 * MiB, 1]).write_part(0, [memoryview(bytes(5 * MiB))])
+
+    checkpointer_and_command_line(
+        root, _state, _blank, _assert_same, CONFIG, capsys, unfinished_upload
     )
-    reader = unickpt.Checkpointer(root)
-    assert reader.steps() == [2, 3]
-    dest = _blank()
-    assert reader.load_latest(dest) == 3
-    _assert_same(dest, _state(3))
-    with unickpt.Checkpointer(root, keep_last=2, async_save=False, config=CONFIG) as ckpt:
-        ckpt.save(4, _state(4))
-    assert storage.list_names() == ["step-000000003", "step-000000004"]
-    assert uploads(s3_endpoint, s3_bucket) == []
-    # every command takes s3:// URLs
-    assert main(["inspect", root]) == 0
-    assert "step-000000004" in capsys.readouterr().out
-    assert main(["verify", root, "--step", "3"]) == 0
-    assert capsys.readouterr().out.startswith(f"OK: {root}/step-000000003")
-    assert main(["diff", root, f"{root}/step-000000004"]) == 0
-    assert main(["diff", root, f"{root}/step-000000003"]) == 1
-    capsys.readouterr()
+    assert uploads(s3_endpoint, s3_bucket) == [], "the writer's lock aborted it"
+    assert not [k for k in keys(s3_endpoint, s3_bucket) if "/step-000000001/" in k]
+    # convert from and to s3:// URLs
     out = tmp_path / "model.pt"
     assert main(["convert", root, str(out), "--to", "torch"]) == 0
     assert torch.equal(torch.load(out, weights_only=True)["big"], _state(4)["big"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -76,3 +77,46 @@ def shared_dir(tmp_path: Path, name: str) -> str:
     path = tmp_path / name
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
+
+
+def _entry_and_stay(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any
+) -> None:
+    """Like ``_entry``, but the process stays alive after reporting (to be killed)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        q.put((rank, True, fn(rank, world, *args)))
+    except BaseException as e:  # noqa: BLE001 - sent to the test
+        q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    time.sleep(3600)
+
+
+def start_ranks(
+    world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 180.0
+) -> tuple[list[Any], list[Any]]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes that stay alive after it
+    returns; the processes (for the caller to kill) and the results."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry_and_stay, args=(r, world, port, fn, args, q), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, ok, value = q.get(timeout=timeout_s)
+            if not ok:
+                raise AssertionError(f"rank {rank}: {value}")
+            results[rank] = value
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return procs, [results[r] for r in range(world)]

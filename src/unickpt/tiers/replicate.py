@@ -104,6 +104,6 @@ def replicate(
             renames.append((landing.name, ref.index))
     folder.mkdir(parents=True, exist_ok=True)
     group.exchange(sends, recvs)
-    for tmp, index in renames:  # data files are whole: their indexes make them present
-        os.replace(folder / tmp, folder / index)
+    for tmp, final in renames:  # data files are whole: their indexes make them present
+        os.replace(folder / tmp, folder / final)
     return sum(t.nbytes for t in sends)

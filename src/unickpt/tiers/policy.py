@@ -6,10 +6,11 @@ thread, its commit goes to every node and each rank's files to its replica node
 is then copied to storage in a thread of its own (:mod:`.persist`), overlapping the next save.
 
 Bounded memory, and the rule when a persist is still running: a node keeps the newest
-committed memory checkpoint and the one being written, nothing else. A save that would retire
-(delete) a checkpoint whose persist is still running first waits for that persist; the wait is
-counted (:class:`MemoryStats`) and warned about, and the save is never dropped. So with saves
-every step, a persist may overlap one following save; a slower one delays the save after.
+committed memory checkpoint and the one being written, nothing else, and one persist runs at a
+time. A persist overlaps the saves that follow until either a save would retire (delete) the
+checkpoint it reads, or the next persist is due: then that save, or the next persist (in the
+save's background, so ``fut.wait()``), waits for it. Every wait is counted
+(:class:`MemoryStats`) and warned about; no save and no persist is ever dropped.
 """
 
 from __future__ import annotations
@@ -155,27 +156,33 @@ class TierPolicy:
         )
 
     def _make_room(self) -> None:
-        """Wait for a persist of a checkpoint the next save retires (counted, warned)."""
+        """Before a save: wait for a persist of the checkpoint the save retires."""
         running = self._persist
+        if running is not None and (self.newest is None or running.step != self.newest.step):
+            self._finish_persist("the save would delete the memory checkpoint it reads")
+        elif running is not None and not running.thread.is_alive():
+            self._finish_persist("")
+
+    def _finish_persist(self, why: str) -> None:
+        """Wait for the running persist (counted and warned when it is not over); raise its
+        failure."""
+        running, self._persist = self._persist, None
         if running is None:
             return
-        if running.thread.is_alive() and (self.newest is None or running.step != self.newest.step):
+        if running.thread.is_alive():
             t0 = time.perf_counter()
             warnings.warn(
-                f"memory save waits for the persist of step {running.step} to storage, so that "
-                "at most two memory checkpoints are kept; persist less often (persist_every) "
-                "or to faster storage to avoid the wait.",
-                stacklevel=3,
+                f"memory tier: waiting for the persist of step {running.step} to storage: {why}."
+                " Persist less often (persist_every) or to faster storage to avoid the wait.",
+                stacklevel=4,
             )
             running.join()
             self._count(persist_waits=1, persist_wait_s=time.perf_counter() - t0)
-        if not running.thread.is_alive():
-            self._persist = None
-            if running.error is not None:
-                raise CheckpointError(
-                    f"persisting memory step {running.step} to {self.ckpt.root} failed: "
-                    f"{running.error}. The memory checkpoints are intact; fix the storage."
-                ) from running.error
+        if running.error is not None:
+            raise CheckpointError(
+                f"persisting memory step {running.step} to {self.ckpt.root} failed: "
+                f"{running.error}. The memory checkpoints are intact; fix the storage."
+            ) from running.error
 
     def _after_commit(self, step: int, due: bool) -> None:
         """In the save's thread, on every rank: commit copies, replicas, then the persist."""
@@ -189,9 +196,7 @@ class TierPolicy:
             self._start_persist(committed)
 
     def _start_persist(self, committed: Committed) -> None:
-        previous = self._persist
-        if previous is not None:
-            previous.join()
+        self._finish_persist("one persist runs at a time")
         rank = self._group.rank if self._group else 0
 
         def work() -> None:

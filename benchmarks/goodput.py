@@ -117,17 +117,16 @@ def _calibrate(a: dict[str, Any]) -> dict[str, float]:
     for mode, every in (("none", 10**9), ("storage", 1), ("memory", 1)):
         root = tempfile.mkdtemp(prefix="goodput-cal-", dir=a["storage"])
         log = Path(root) / "log"
-        dirs = {r: f"{root}/mem-{r}" for r in (0, 1)}
+        dirs = [f"{root}/mem-{r}" for r in (0, 1)]
         job = {**a, "mode": mode, "every": every, "persist_every": 10**9, "root": root}
         job.update(steps=20, log=str(log), dirs=dirs)
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, __file__, "--job", json.dumps(job)], check=True)
-        wall = time.perf_counter() - t0
-        lines = [json.loads(x) for x in log.read_text().splitlines()]
-        out[mode] = lines[-1]["stall"]
-        out[f"{mode}_step"] = lines[-1]["step_s"]
-        out[f"{mode}_wall"] = wall
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            subprocess.run([sys.executable, __file__, "--job", json.dumps(job)], check=True)
+            last = json.loads(log.read_text().splitlines()[-1])
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        out[mode] = last["stall"]
+        out[f"{mode}_step"] = last["step_s"]
     return out
 
 
@@ -136,7 +135,7 @@ def _run(policy: str, a: dict[str, Any], cal: dict[str, float], rng: random.Rand
     shm = Path(tempfile.mkdtemp(prefix=f"goodput-{policy}-", dir="/dev/shm"))
     log = Path(root) / "log"
     job = {**a, "mode": policy, "root": root, "log": str(log)}
-    job["dirs"] = {r: str(shm / f"node-{r}") for r in (0, 1)}
+    job["dirs"] = [str(shm / f"node-{r}") for r in (0, 1)]
     job["every"] = a["every"]
     job["persist_every"] = a["persist_every"]
     failures, t0 = [], time.perf_counter()

@@ -66,7 +66,8 @@ def _init(rank: int, world: int, port: int) -> None:
 def _save_job(rank: int, world: int, port: int, a: dict[str, Any], q: Any) -> None:
     _init(rank, world, port)
     os.environ["UNICKPT_NODE"] = f"node-{rank}"
-    tier = unickpt.MemoryTier(persist_every=10**6, replicas=world, dir=a["dirs"][rank])
+    reps = int(os.environ.get("PROBE_REPLICAS", world))
+    tier = unickpt.MemoryTier(persist_every=10**6, replicas=reps, dir=a["dirs"][rank])
     ckpt = unickpt.Checkpointer(a["root"], memory=tier)
     state = _state(a["mib"], float(rank), rank, world)
     stalls, replicated = [], []

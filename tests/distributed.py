@@ -21,7 +21,13 @@ def _free_port() -> int:
 
 
 def _entry(
-    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    q: Any,
+    stay: bool,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
@@ -33,8 +39,25 @@ def _entry(
     except BaseException as e:  # noqa: BLE001 - sent to the test
         q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
+        if stay:
+            time.sleep(3600)  # until the test kills it
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _start(
+    world: int, fn: Callable[..., Any], args: tuple[Any, ...], stay: bool
+) -> tuple[list[Any], Any]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, fn, args, q, stay), daemon=stay)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    return procs, q
 
 
 def run_ranks(
@@ -45,15 +68,7 @@ def run_ranks(
     ``fn`` must be importable (a module-level function). A failure on any rank fails the
     caller with that rank's traceback.
     """
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(r, world, port, fn, args, q), daemon=False)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    procs, q = _start(world, fn, args, stay=False)
     results: dict[int, Any] = {}
     errors = []
     try:
@@ -73,41 +88,12 @@ def run_ranks(
     return [results[r] for r in range(world)]
 
 
-def shared_dir(tmp_path: Path, name: str) -> str:
-    path = tmp_path / name
-    path.mkdir(parents=True, exist_ok=True)
-    return str(path)
-
-
-def _entry_and_stay(
-    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any
-) -> None:
-    """Like ``_entry``, but the process stays alive after reporting (to be killed)."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
-    )
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        q.put((rank, True, fn(rank, world, *args)))
-    except BaseException as e:  # noqa: BLE001 - sent to the test
-        q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    time.sleep(3600)
-
-
 def start_ranks(
     world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 180.0
 ) -> tuple[list[Any], list[Any]]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes that stay alive after it
     returns; the processes (for the caller to kill) and the results."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_entry_and_stay, args=(r, world, port, fn, args, q), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    procs, q = _start(world, fn, args, stay=True)
     results: dict[int, Any] = {}
     try:
         for _ in range(world):
@@ -120,3 +106,9 @@ def start_ranks(
             p.kill()
         raise
     return procs, [results[r] for r in range(world)]
+
+
+def shared_dir(tmp_path: Path, name: str) -> str:
+    path = tmp_path / name
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)

@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import mmap
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from ..errors import DistributedCheckpointError
 
 PIECE_BYTES = 64 << 20
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 T = TypeVar("T")
 
 
@@ -73,25 +75,24 @@ class TierGroup:
             with self._lost("barrier"):
                 dist.barrier(group=self._pg)
 
-    def exchange(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
-        """Send and receive files at once (non-blocking both ways, so pairs may be mutual)."""
-        if not sends and not recvs:
-            return
-        with contextlib.ExitStack() as stack, self._lost("file transfer"):
-            works = []
-            piece = buf = torch.empty(0)
-            for t in sends:
-                buf = stack.enter_context(_mapped(t.path, t.nbytes, write=False))
-                for piece in _pieces(buf):
-                    works.append(dist.isend(piece, self.ranks[t.peer], self._pg, tag=t.tag))
-            for t in recvs:
-                buf = stack.enter_context(_mapped(t.path, t.nbytes, write=True))
-                for piece in _pieces(buf):
-                    works.append(dist.irecv(piece, self.ranks[t.peer], self._pg, tag=t.tag))
-            for w in works:
-                if w is not None:
-                    w.wait()
-            del works, piece, buf  # the maps close once no tensor refers to them
+    def exchange(self, transfers: list[Transfer]) -> None:
+        """Send or receive each transfer in turn (``send`` says which), blocking.
+
+        Every rank passes its part of one list all ranks agree on, in that list's order; so the
+        earliest unfinished transfer always has both ends waiting for it and nothing deadlocks,
+        while transfers between other pairs go on at the same time. (One direction at a time
+        per pair: gloo moves a large tensor both ways at once far slower than one way twice.)
+        """
+        with self._lost("file transfer"):
+            for t in transfers:
+                with _mapped(t.path, t.nbytes, write=not t.send) as buf:
+                    for i in range(0, buf.numel(), PIECE_BYTES):
+                        piece = buf[i : i + PIECE_BYTES]
+                        if t.send:
+                            dist.send(piece, self.ranks[t.peer], self._pg, tag=t.tag)
+                        else:
+                            dist.recv(piece, self.ranks[t.peer], self._pg, tag=t.tag)
+                        del piece  # the map closes once no tensor refers to it
 
     @contextlib.contextmanager
     def _lost(self, what: str) -> Iterator[None]:
@@ -108,22 +109,19 @@ class TierGroup:
 
 @dataclass(frozen=True)
 class Transfer:
-    """One file going to or coming from ``peer`` (a group rank), under ``tag``."""
+    """One file going to (``send``) or coming from ``peer`` (a group rank), under ``tag``."""
 
     path: Path
     nbytes: int
     peer: int
     tag: int
-
-
-def _pieces(buf: torch.Tensor) -> list[torch.Tensor]:
-    return [buf[i : i + PIECE_BYTES] for i in range(0, buf.numel(), PIECE_BYTES)]
+    send: bool
 
 
 @contextlib.contextmanager
 def _mapped(path: Path, nbytes: int, write: bool) -> Iterator[torch.Tensor]:
     """The file as a uint8 tensor over a memory map (created at ``nbytes`` when writing)."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC if write else os.O_RDONLY
+    flags = os.O_RDWR | os.O_CREAT if write else os.O_RDONLY  # a spare file is overwritten
     fd = os.open(path, flags, 0o644)
     try:
         if write:
@@ -131,10 +129,14 @@ def _mapped(path: Path, nbytes: int, write: bool) -> Iterator[torch.Tensor]:
         if nbytes == 0:
             yield torch.empty(0, dtype=torch.uint8)
             return
-        access = mmap.ACCESS_WRITE if write else mmap.ACCESS_COPY
-        mm = mmap.mmap(fd, nbytes, access=access)
+        # Populated in one call: faulting a tmpfs file in page by page costs more than sending
+        # it. Read-only when reading (the tensor is only ever sent from).
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE, prot=prot)
         try:
-            tensor = torch.frombuffer(mm, dtype=torch.uint8)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only: sent, never written
+                tensor = torch.frombuffer(mm, dtype=torch.uint8)
             yield tensor
             del tensor
         finally:

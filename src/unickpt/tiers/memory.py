@@ -28,6 +28,7 @@ from ..format.metadata import COMMIT_FILE
 from ..storage.local import LocalStorage
 
 DEFAULT_DIR = "/dev/shm/unickpt"
+SPARE = ".spare"
 _STEP = re.compile(r"^step-(\d+)$")
 _DATA = re.compile(r"^data-([0-9a-f]+)-(\d+)\.bin$")
 
@@ -155,15 +156,45 @@ class MemoryStore:
             (path / COMMIT_FILE).unlink()
         shutil.rmtree(path, ignore_errors=True)
 
-    def retire(self, keep: set[int]) -> list[int]:
-        """Delete every step folder but ``keep``; the steps deleted."""
+    def retire(self, keep: set[int], own: set[int]) -> list[int]:
+        """Delete every step folder but ``keep``; the steps deleted.
+
+        The replica files of a deleted step (data files of ranks not in ``own``) are kept as
+        spares, for the next replicas to be received into (:meth:`take_spare`): their memory
+        pages are reused instead of freed and allocated again, which on tmpfs costs more than
+        the transfer. Spares of earlier steps not taken by then are deleted.
+        """
+        spare = self.root / SPARE
+        shutil.rmtree(spare, ignore_errors=True)
         gone = [s for s in self.steps() if s not in keep]
         for step in gone:
+            path = self.step_path(step)
+            with contextlib.suppress(FileNotFoundError):
+                (path / COMMIT_FILE).unlink()
+            for name in _listdir(path):
+                m = _DATA.match(name)
+                if m and int(m.group(2)) not in own:
+                    spare.mkdir(exist_ok=True)
+                    os.replace(path / name, spare / f"{step}-{name}")
             self.remove(step)
         return gone
+
+    def take_spare(self, dest: Path) -> None:
+        """Move a spare file (if any) to ``dest``, to be overwritten in place."""
+        for name in _listdir(self.root / SPARE):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(self.root / SPARE / name, dest)
+                return
 
     def clear(self) -> None:
         """Delete the job's folder (and ``dir`` when nothing else is left in it)."""
         shutil.rmtree(self.root, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.base.rmdir()
+
+
+def _listdir(path: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except FileNotFoundError:
+        return []

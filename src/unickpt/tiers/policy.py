@@ -128,7 +128,7 @@ class TierPolicy:
         group.barrier()  # every rank's persist of a retiring step is over
         if nodes.is_leader:
             keep = {self.newest.step} if self.newest is not None else set()
-            for gone in self.store.retire(keep):
+            for gone in self.store.retire(keep, set(nodes.members[nodes.node])):
                 log.debug("retired memory step %d", gone)
         self._count(saves=1)
         self._since_persist += 1

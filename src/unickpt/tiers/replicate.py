@@ -82,8 +82,7 @@ def replicate(
 ) -> int:
     """Send this rank's files to its replica ranks, receive the files it keeps; bytes sent."""
     folder = store.step_path(committed.step)
-    sends: list[Transfer] = []
-    recvs: list[Transfer] = []
+    transfers: list[Transfer] = []
     renames: list[tuple[str, str]] = []
     for k, (src, dst) in enumerate(nodes.sends(copies)):
         ref = committed.ref_of(src)
@@ -91,19 +90,16 @@ def replicate(
             continue
         data, index = folder / ref.data, folder / ref.index
         if src == group.rank:
-            sends += [
-                Transfer(data, ref.nbytes, dst, 2 * k),
-                Transfer(index, ref.index_nbytes, dst, 2 * k + 1),
-            ]
+            transfers.append(Transfer(data, ref.nbytes, dst, 2 * k, True))
+            transfers.append(Transfer(index, ref.index_nbytes, dst, 2 * k + 1, True))
         else:
             landing = folder / f".{ref.index}.{os.getpid()}.tmp"
-            recvs += [
-                Transfer(data, ref.nbytes, src, 2 * k),
-                Transfer(landing, ref.index_nbytes, src, 2 * k + 1),
-            ]
+            store.take_spare(data)
+            transfers.append(Transfer(data, ref.nbytes, src, 2 * k, False))
+            transfers.append(Transfer(landing, ref.index_nbytes, src, 2 * k + 1, False))
             renames.append((landing.name, ref.index))
     folder.mkdir(parents=True, exist_ok=True)
-    group.exchange(sends, recvs)
+    group.exchange(transfers)
     for tmp, final in renames:  # data files are whole: their indexes make them present
         os.replace(folder / tmp, folder / final)
-    return sum(t.nbytes for t in sends)
+    return sum(t.nbytes for t in transfers if t.send)

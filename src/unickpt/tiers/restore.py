@@ -95,9 +95,11 @@ def fetch(
     needed = files_needed(meta, state)
     missing = sorted(f for f in needed if here not in choice.holders[f])
     wanted = group.all_gather(missing)
-    sends, recvs = _transfers(nodes, store, choice, committed, wanted)
-    group.exchange(sends, recvs)
-    for t in recvs:
+    transfers = _transfers(nodes, store, choice, committed, wanted)
+    group.exchange(transfers)
+    for t in transfers:
+        if t.send:
+            continue
         name = t.path.name
         folder.write_atomic(index_of(name), indexes[index_of(name)])
     group.barrier()  # files fetched by one rank of a node serve its other ranks too
@@ -129,13 +131,12 @@ def _transfers(
     choice: Choice,
     committed: Committed,
     wanted: list[list[str]],
-) -> tuple[list[Transfer], list[Transfer]]:
+) -> list[Transfer]:
     """Each file a node needs, once: from a holder rank (spread over the holder's ranks) to the
     node's first rank that asked. The same list on every rank."""
     sizes = {r.data: r.nbytes for r in committed.refs}
     folder = store.step_path(choice.step)
-    sends: list[Transfer] = []
-    recvs: list[Transfer] = []
+    transfers: list[Transfer] = []
     seen: set[tuple[int, str]] = set()
     tag = 0
     for rank, files in enumerate(wanted):
@@ -147,14 +148,14 @@ def _transfers(
             holder = nodes.members[choice.holders[f][0]]
             src = holder[tag % len(holder)]
             if nodes.rank == src:
-                sends.append(Transfer(folder / f, sizes[f], rank, tag))
+                transfers.append(Transfer(folder / f, sizes[f], rank, tag, True))
             elif nodes.rank == rank:
                 (folder / index_of(f)).unlink(missing_ok=True)
-                recvs.append(Transfer(folder / f, sizes[f], src, tag))
+                transfers.append(Transfer(folder / f, sizes[f], src, tag, False))
             tag += 1
-    if recvs:
+    if any(not t.send for t in transfers):
         folder.mkdir(parents=True, exist_ok=True)
-    return sends, recvs
+    return transfers
 
 
 class WithIndexes(Storage):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,13 @@ def _free_port() -> int:
 
 
 def _entry(
-    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    q: Any,
+    stay: bool,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
@@ -32,8 +39,25 @@ def _entry(
     except BaseException as e:  # noqa: BLE001 - sent to the test
         q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
+        if stay:
+            time.sleep(3600)  # until the test kills it
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _start(
+    world: int, fn: Callable[..., Any], args: tuple[Any, ...], stay: bool
+) -> tuple[list[Any], Any]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, fn, args, q, stay), daemon=stay)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    return procs, q
 
 
 def run_ranks(
@@ -44,15 +68,7 @@ def run_ranks(
     ``fn`` must be importable (a module-level function). A failure on any rank fails the
     caller with that rank's traceback.
     """
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(r, world, port, fn, args, q), daemon=False)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    procs, q = _start(world, fn, args, stay=False)
     results: dict[int, Any] = {}
     errors = []
     try:
@@ -70,6 +86,26 @@ def run_ranks(
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def start_ranks(
+    world: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 180.0
+) -> tuple[list[Any], list[Any]]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes that stay alive after it
+    returns; the processes (for the caller to kill) and the results."""
+    procs, q = _start(world, fn, args, stay=True)
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, ok, value = q.get(timeout=timeout_s)
+            if not ok:
+                raise AssertionError(f"rank {rank}: {value}")
+            results[rank] = value
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return procs, [results[r] for r in range(world)]
 
 
 def shared_dir(tmp_path: Path, name: str) -> str:

@@ -25,6 +25,7 @@ from .errors import (
     UnsafeObjectError,
 )
 from .layouts.leaves import FlatShard, PerRank, ShardedTensor
+from .tiers.memory import MemoryTier
 
 __all__ = [
     "CheckpointCorruptError",
@@ -38,6 +39,7 @@ __all__ = [
     "Config",
     "DistributedCheckpointError",
     "FlatShard",
+    "MemoryTier",
     "PerRank",
     "SaveFuture",
     "ShardedTensor",

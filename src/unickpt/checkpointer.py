@@ -14,7 +14,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import api
 from .config import Config, get_config
@@ -28,6 +28,10 @@ from .errors import (
 from .format.metadata import COMMIT_FILE
 from .storage.base import Storage
 from .storage.registry import open_storage
+
+if TYPE_CHECKING:
+    from .tiers.memory import MemoryTier
+    from .tiers.policy import MemoryStats, RestoreInfo
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +114,11 @@ class Checkpointer:
     Checkpointer that saves is a writer: its first ``save`` takes the root's lock (held until
     ``close``), so two jobs cannot write into one root; one that only lists and loads (an
     evaluation job beside training) never locks and works beside the writer.
+
+    With ``memory=MemoryTier(...)`` saves land in the nodes' memory (and their replicas in
+    other nodes' memory), every ``persist_every``-th one also in ``root``; ``load_latest``
+    reads the newest step complete in memory, peers' memory or storage; see
+    docs/memory_tier.md.
     """
 
     def __init__(
@@ -121,6 +130,7 @@ class Checkpointer:
         async_save: bool = True,
         background_snapshot: bool = False,
         config: Config | None = None,
+        memory: MemoryTier | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last is {keep_last}; expected None or at least 1.")
@@ -133,6 +143,27 @@ class Checkpointer:
         self._comm = Comm(group, self.config.collective_timeout_s)
         self._pending: SaveFuture | None = None
         self._release: Callable[[], None] | None = None
+        # -- memory tier (unickpt.tiers): the policy lives there, delegated to from here --
+        self.last_restore: RestoreInfo | None = None
+        self._tier = None
+        if memory is not None:
+            from .tiers.policy import TierPolicy
+
+            self._tier = TierPolicy(self, memory)
+
+    @property
+    def memory_stats(self) -> MemoryStats | None:
+        """Counts of the memory tier on this rank (saves, persists, waits); None without one."""
+        return self._tier.stats if self._tier is not None else None
+
+    def guard(self) -> Any:
+        """``with ckpt.guard():`` around the training loop: on SIGTERM, SIGINT or an exception,
+        persist the newest memory checkpoint (within ``persist_deadline_s``), then end as the
+        process would have. Without a memory tier it completes the pending save."""
+        from .tiers.guard import guard
+
+        down = self._tier.save_on_the_way_down if self._tier is not None else self.wait
+        return guard(down)
 
     @property
     def root(self) -> str:
@@ -159,10 +190,14 @@ class Checkpointer:
         self.wait()
         if step < 0:
             raise CheckpointError(f"step is {step}; expected a non-negative integer.")
-        if self._release is None:
+        first = self._release is None
+        if first:
             self._lock()
-        if self._comm.is_coordinator:
-            self._remove_debris(keep=step)
+        if self._comm.is_coordinator and (first or self._tier is None):
+            self._remove_debris(keep=step)  # with a memory tier, persists may be under way
+        if self._tier is not None:
+            self._pending = self._tier.save(step, state)
+            return self._pending
         target = self._step(step)
         if not self.async_save:
             report = api.save(target, state, group=self.group, overwrite=True, config=self.config)
@@ -190,6 +225,14 @@ class Checkpointer:
     def load_latest(self, state: dict[str, Any], *, strict: bool = True) -> int | None:
         """Load the newest intact checkpoint into ``state``; its step, or None when none."""
         self.wait()
+        if self._tier is not None:
+            step, self.last_restore = self._tier.load_latest(
+                state, strict, lambda: self._load_stored(state, strict)
+            )
+            return step
+        return self._load_stored(state, strict)
+
+    def _load_stored(self, state: dict[str, Any], strict: bool) -> int | None:
         steps = self._comm.broadcast(self.steps())
         for step in reversed(steps):
             try:
@@ -212,9 +255,12 @@ class Checkpointer:
             pending.wait()
 
     def close(self) -> None:
-        """Wait for pending saves and release the root."""
+        """Wait for pending saves and release the root; with a memory tier, persist what
+        storage lacks and free the job's memory."""
         try:
             self.wait()
+            if self._tier is not None:
+                self._tier.close()
         finally:
             if self._release is not None:
                 self._release()
@@ -226,8 +272,8 @@ class Checkpointer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _retain(self, newest: int) -> None:
-        if self.keep_last is None or not self._comm.is_coordinator:
+    def _retain(self, newest: int, any_rank: bool = False) -> None:
+        if self.keep_last is None or not (any_rank or self._comm.is_coordinator):
             return
         older = [s for s in self.steps() if s < newest]
         for step in older[: max(0, len(older) - (self.keep_last - 1))]:

@@ -1,0 +1,200 @@
+"""The memory tier's settings and a node's folder of memory checkpoints for one job.
+
+A memory checkpoint is an ordinary checkpoint (same format, checksums, commit marker) in a
+folder on the node's shared memory (``/dev/shm/unickpt`` by default: tmpfs, memory owned by
+the operating system, so it outlives every training process of the node). Layout::
+
+    <dir>/<job>/step-000000005/   COMMIT, metadata, the data and index files of the node's own
+                                  ranks, and the replica files it keeps for its partner node
+
+``<job>`` is derived from the Checkpointer's root (stable across restarts, distinct between
+jobs). A data file counts as present only once its index file is there: the index is written
+after the data is complete, by a local save and by a received replica alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..checkpointer import step_name
+from ..errors import CheckpointError
+from ..format.metadata import COMMIT_FILE
+from ..storage.local import LocalStorage
+
+DEFAULT_DIR = "/dev/shm/unickpt"
+SPARE = ".spare"
+_STEP = re.compile(r"^step-(\d+)$")
+_DATA = re.compile(r"^data-([0-9a-f]+)-(\d+)\.bin$")
+
+
+@dataclass(frozen=True)
+class MemoryTier:
+    """Keep checkpoints in the nodes' memory; persist every ``persist_every``-th save.
+
+    ``replicas=2`` also keeps each rank's files in one other node's memory (any one node may
+    be lost); ``replicas=1`` keeps them in local memory only. ``dir`` is the node's folder of
+    memory checkpoints (default ``/dev/shm/unickpt``, or ``UNICKPT_MEMORY_DIR``);
+    ``persist_deadline_s`` bounds the save on the way down (:meth:`Checkpointer.guard`).
+
+    >>> tier = unickpt.MemoryTier(persist_every=10, replicas=2)  # doctest: +SKIP
+    >>> ckpt = unickpt.Checkpointer("s3://bucket/run", keep_last=3, memory=tier)  # doctest: +SKIP
+    """
+
+    persist_every: int = 10
+    replicas: int = 2
+    dir: str | os.PathLike[str] | None = None
+    persist_deadline_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.persist_every < 1:
+            raise CheckpointError(
+                f"persist_every is {self.persist_every}; expected at least 1 (1 persists every "
+                "save to storage)."
+            )
+        if self.replicas < 1:
+            raise CheckpointError(
+                f"replicas is {self.replicas}; expected 1 (local memory only) or more (copies "
+                "in other nodes' memory)."
+            )
+        if self.persist_deadline_s <= 0:
+            raise CheckpointError(
+                f"persist_deadline_s is {self.persist_deadline_s}; expected a positive number."
+            )
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.dir or os.environ.get("UNICKPT_MEMORY_DIR") or DEFAULT_DIR)
+
+
+def job_name(root_location: str) -> str:
+    """The job's folder name under ``dir``: readable, and distinct for distinct roots."""
+    tail = re.sub(r"[^A-Za-z0-9_-]+", "-", root_location.rstrip("/").rsplit("/", 1)[-1])
+    digest = hashlib.blake2b(root_location.encode(), digest_size=6).hexdigest()
+    return f"{tail.strip('-')[:40] or 'job'}-{digest}"
+
+
+def index_of(data: str) -> str:
+    """The index file that lists the chunks of data file ``data``."""
+    m = _DATA.match(data)
+    if m is None:
+        raise CheckpointError(f"{data!r} is not a unickpt data file name (data-<id>-<rank>.bin).")
+    return f"index-{m.group(1)}-{m.group(2)}.json"
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What a node's folder holds of one step: the commit (if any) and the complete files."""
+
+    step: int
+    metadata_file: str | None
+    required: tuple[str, ...]
+    present: frozenset[str]
+
+
+class MemoryStore:
+    """One job's memory checkpoints in one node's folder."""
+
+    def __init__(self, base: Path, job: str) -> None:
+        self.base = base
+        self.root = base / job
+
+    def step_path(self, step: int) -> Path:
+        return self.root / step_name(step)
+
+    def step(self, step: int) -> LocalStorage:
+        """The step's folder, as the storage the engine saves into and loads from."""
+        return LocalStorage(self.step_path(step))
+
+    def steps(self) -> list[int]:
+        """Every step folder (committed or not), ascending."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for m in map(_STEP.match, names) if m)
+
+    def committed(self) -> list[int]:
+        return [s for s in self.steps() if (self.step_path(s) / COMMIT_FILE).is_file()]
+
+    def present(self, step: int) -> frozenset[str]:
+        """Data files of the step whose index file is there too (so the data is complete)."""
+        try:
+            names = set(os.listdir(self.step_path(step)))
+        except FileNotFoundError:
+            return frozenset()
+        return frozenset(n for n in names if _DATA.match(n) and index_of(n) in names)
+
+    def holdings(self) -> list[Holding]:
+        """What this node holds of every step (a damaged commit counts as none)."""
+        from ..engine.commit import read_commit
+        from ..format.codec import decode_metadata
+
+        found = []
+        for step in self.steps():
+            storage = self.step(step)
+            meta_file: str | None = None
+            required: tuple[str, ...] = ()
+            with contextlib.suppress(CheckpointError):
+                record = read_commit(storage)
+                raw = storage.read_bytes(record.metadata_file) if record else None
+                if record is not None and raw is not None:
+                    required = decode_metadata(raw, str(self.step_path(step))).files
+                    meta_file = record.metadata_file
+            found.append(Holding(step, meta_file, required, self.present(step)))
+        return found
+
+    def remove(self, step: int) -> None:
+        """Delete one step: the marker first, so a crash midway never leaves a half checkpoint."""
+        path = self.step_path(step)
+        with contextlib.suppress(FileNotFoundError):
+            (path / COMMIT_FILE).unlink()
+        shutil.rmtree(path, ignore_errors=True)
+
+    def retire(self, keep: set[int], own: set[int]) -> list[int]:
+        """Delete every step folder but ``keep``; the steps deleted.
+
+        The replica files of a deleted step (data files of ranks not in ``own``) are kept as
+        spares, for the next replicas to be received into (:meth:`take_spare`): their memory
+        pages are reused instead of freed and allocated again, which on tmpfs costs more than
+        the transfer. Spares of earlier steps not taken by then are deleted.
+        """
+        spare = self.root / SPARE
+        shutil.rmtree(spare, ignore_errors=True)
+        gone = [s for s in self.steps() if s not in keep]
+        for step in gone:
+            path = self.step_path(step)
+            with contextlib.suppress(FileNotFoundError):
+                (path / COMMIT_FILE).unlink()
+            for name in _listdir(path):
+                m = _DATA.match(name)
+                if m and int(m.group(2)) not in own:
+                    spare.mkdir(exist_ok=True)
+                    os.replace(path / name, spare / f"{step}-{name}")
+            self.remove(step)
+        return gone
+
+    def take_spare(self, dest: Path) -> None:
+        """Move a spare file (if any) to ``dest``, to be overwritten in place."""
+        for name in _listdir(self.root / SPARE):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(self.root / SPARE / name, dest)
+                return
+
+    def clear(self) -> None:
+        """Delete the job's folder (and ``dir`` when nothing else is left in it)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.base.rmdir()
+
+
+def _listdir(path: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except FileNotFoundError:
+        return []

@@ -1,0 +1,127 @@
+"""The memory tier in one process: placement, the choice of step, bounds, persist, guard."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+import unickpt
+from unickpt.storage.base import WriteHandle
+from unickpt.storage.local import LocalStorage
+from unickpt.storage.registry import open_storage
+from unickpt.tiers.memory import Holding, MemoryStore, job_name
+from unickpt.tiers.nodes import Nodes
+from unickpt.tiers.restore import choose
+
+
+def test_group_placement() -> None:
+    two = Nodes.from_names(0, ["a", "a", "b", "b"])
+    assert two.members == ((0, 1), (2, 3)) and two.node_of(3) == 1
+    assert two.sends(2) == [(0, 2), (1, 3), (2, 0), (3, 1)]
+    assert two.sends(1) == []
+    three = Nodes.from_names(0, ["a", "b", "c"])  # the odd node joins the last group: a ring
+    assert three.sends(2) == [(0, 1), (1, 2), (2, 0)]
+    four = Nodes.from_names(0, ["a", "b", "c", "d"])  # two groups: losing a and c loses nothing
+    assert four.sends(2) == [(0, 1), (1, 0), (2, 3), (3, 2)]
+    assert four.sends(3) == [(0, 1), (0, 2), (1, 2), (1, 3), (2, 3), (2, 0), (3, 0), (3, 1)]
+    uneven = Nodes.from_names(2, ["a", "a", "a", "b"])
+    assert uneven.sends(2) == [(0, 3), (1, 3), (2, 3), (3, 0)] and not uneven.is_leader
+
+
+def _held(step: int, meta: str | None, required: Sequence[str], present: Sequence[str]) -> Holding:
+    return Holding(step, meta, tuple(required), frozenset(present))
+
+
+def test_choose_newest_complete_across_nodes() -> None:
+    files = ("data-a-00000.bin", "data-a-00001.bin")
+    newer = ("data-b-00000.bin", "data-b-00001.bin")
+    node0 = [_held(4, "m-a", files, files[:1]), _held(5, "m-b", newer, newer[:1])]
+    node1 = [_held(4, None, (), files[1:])]  # its commit copy never arrived: files still count
+    choice = choose([node0, node1])
+    assert choice is not None and choice.step == 4 and choice.commit_nodes == (0,)
+    assert choice.holders == {files[0]: (0,), files[1]: (1,)}
+    assert choose([node0[1:]]) is None
+
+
+def test_job_names_and_settings() -> None:
+    assert job_name("/runs/gpt") == job_name("/runs/gpt") != job_name("/other/gpt")
+    assert job_name("s3://bucket/run-7/").startswith("run-7-")
+    with pytest.raises(unickpt.CheckpointError, match="persist_every is 0; expected at least 1"):
+        unickpt.MemoryTier(persist_every=0)
+    with pytest.raises(unickpt.CheckpointError, match="replicas is 0"):
+        unickpt.MemoryTier(replicas=0)
+
+
+def _state(step: int) -> dict[str, object]:
+    return {"w": torch.arange(5000, dtype=torch.float64) * step, "step": step}
+
+
+def _equal(a: dict[str, object], step: int) -> bool:
+    want = _state(step)
+    return torch.equal(a["w"], want["w"]) and a["step"] == step  # type: ignore[arg-type]
+
+
+def test_memory_saves_bounded_persisted_to_any_backend(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    root = "memory://unickpt-tier-test/run"
+    tier = unickpt.MemoryTier(persist_every=2, replicas=1, dir=shm)
+    ckpt = unickpt.Checkpointer(root, keep_last=2, memory=tier)
+    store = MemoryStore(shm, job_name(open_storage(root).location))
+    for step in range(1, 6):
+        ckpt.save(step, _state(step)).wait()
+        assert store.committed()[-1] == step and len(store.steps()) <= 2
+    ckpt._tier._finish_persist("")  # type: ignore[union-attr]
+    assert ckpt.steps() == [2, 4]  # through the storage API (fsspec's memory file system)
+    dest = _state(0)
+    assert ckpt.load_latest(dest) == 5 and _equal(dest, 5)
+    assert ckpt.last_restore is not None and ckpt.last_restore.source == "memory"
+    stats = ckpt.memory_stats
+    assert stats is not None and (stats.saves, stats.persists, stats.persist_waits) == (5, 2, 0)
+    ckpt.close()
+    assert ckpt.steps() == [4, 5] and not shm.exists()
+    again = unickpt.Checkpointer(root, memory=tier)
+    dest = _state(0)
+    assert again.load_latest(dest) == 5 and _equal(dest, 5)
+    assert again.last_restore is not None and again.last_restore.source == "storage"
+
+
+class _SlowStorage(LocalStorage):
+    def create(self, name: str, part_sizes: Sequence[int]) -> WriteHandle:
+        time.sleep(0.3)
+        return super().create(name, part_sizes)
+
+    def child(self, name: str) -> LocalStorage:
+        return _SlowStorage(self._path(name))
+
+
+def test_a_running_persist_is_waited_for_never_dropped(tmp_path: Path) -> None:
+    tier = unickpt.MemoryTier(persist_every=1, replicas=1, dir=tmp_path / "shm")
+    ckpt = unickpt.Checkpointer(_SlowStorage(tmp_path / "store"), memory=tier)
+    with pytest.warns(UserWarning, match="waiting for the persist of step"):
+        for step in range(1, 5):
+            ckpt.save(step, _state(step))
+        ckpt.close()
+    stats = ckpt.memory_stats
+    assert stats is not None and stats.persist_waits >= 1 and stats.persists == 4
+    assert ckpt.steps() == [1, 2, 3, 4]
+
+
+def test_guard_persists_on_an_exception_and_reraises(tmp_path: Path) -> None:
+    tier = unickpt.MemoryTier(persist_every=100, replicas=1, dir=tmp_path / "shm")
+    ckpt = unickpt.Checkpointer(tmp_path / "store", memory=tier)
+    with pytest.raises(RuntimeError, match="loss is nan"), ckpt.guard():
+        for step in range(1, 4):
+            ckpt.save(step, _state(step))
+        raise RuntimeError("loss is nan")
+    assert ckpt.steps() == [3]
+    fresh = unickpt.Checkpointer(
+        tmp_path / "store", memory=unickpt.MemoryTier(dir=tmp_path / "empty")
+    )
+    dest = _state(0)
+    assert fresh.load_latest(dest) == 3 and _equal(dest, 3)
+    assert os.listdir(tmp_path / "shm")  # the guard persists; it does not free the memory

@@ -1,0 +1,107 @@
+"""Restarts with real processes: crash, node loss, elastic, both copies lost, SIGTERM."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+import unickpt
+from tests.distributed import run_ranks, start_ranks
+from tests.tiers import workers
+
+
+def _kill(procs: list[multiprocessing.Process]) -> None:
+    for p in procs:
+        p.kill()  # SIGKILL: no handler, no exit hook runs
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == -signal.SIGKILL
+
+
+def test_crash_restart_from_memory_then_close(tmp_path: Path) -> None:
+    shm, root = tmp_path / "shm", str(tmp_path / "store")
+    other = shm / "other-job-0123456789ab" / "step-000000001"
+    other.mkdir(parents=True)  # another job's memory checkpoint on the node
+    (other / "COMMIT").write_text("theirs")
+    dirs = {0: str(shm), 1: str(shm)}
+    procs, names = start_ranks(2, workers.save_steps, root, dirs, None, [1, 2, 3, 4, 5], 100)
+    _kill(procs)
+    steps = [n for n in names[0] if n.count("/") == 1 and "step-" in n]
+    assert [n.rsplit("/", 1)[1] for n in steps if "other" not in n] == [
+        "step-000000004",
+        "step-000000005",
+    ]  # the newest complete one and the one after it: never more
+    assert not Path(root).exists() or not list(Path(root).glob("step-*"))  # memory only
+    results = run_ranks(2, workers.restart, root, dirs, None, 16, True)
+    assert results == [(5, "memory"), (5, "memory")]
+    assert sorted(p.name for p in shm.iterdir()) == ["other-job-0123456789ab"]
+    assert (other / "COMMIT").read_text() == "theirs"
+    assert unickpt.Checkpointer(root).steps() == [5]  # close persisted what storage lacked
+
+
+def test_node_loss_peers_elastic_and_storage_fallback(tmp_path: Path) -> None:
+    root = str(tmp_path / "store")
+    a, b = str(tmp_path / "node-a"), str(tmp_path / "node-b")
+    nodes = {0: "a", 1: "a", 2: "b", 3: "b"}
+    dirs = {0: a, 1: a, 2: b, 3: b}
+    procs, _ = start_ranks(4, workers.save_steps, root, dirs, nodes, [1, 2, 3], 2)
+    _kill(procs)
+    assert unickpt.Checkpointer(root).steps() == [2]  # the second save was persisted
+    shutil.rmtree(b)  # node b is lost with its memory
+    results = run_ranks(4, workers.restart, root, dirs, nodes, 32, False)
+    assert results == [(3, "memory"), (3, "memory"), (3, "peer"), (3, "peer")]
+    # fewer ranks and nodes: node a's memory (its own files and node b's replicas) reshards
+    one = {0: a, 1: a}
+    assert run_ranks(2, workers.restart, root, one, {0: "a", 1: "a"}, 32, False) == [
+        (3, "memory"),
+        (3, "memory"),
+    ]
+    shutil.rmtree(a)
+    shutil.rmtree(b, ignore_errors=True)  # both copies lost: storage's newest
+    results = run_ranks(4, workers.restart, root, dirs, nodes, 32, False)
+    assert results == [(2, "storage")] * 4
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_sigterm_persists_newest_memory_step(tmp_path: Path) -> None:
+    root, shm, ready = str(tmp_path / "store"), str(tmp_path / "shm"), tmp_path / "ready"
+    ready.mkdir()
+    ctx = multiprocessing.get_context("spawn")
+    port = _port()
+    procs = [
+        ctx.Process(
+            target=workers.entry_signalled, args=(r, 2, port, root, shm, str(ready)), daemon=True
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 180
+    while len(list(ready.iterdir())) < 2:
+        assert time.monotonic() < deadline and all(p.is_alive() for p in procs)
+        time.sleep(0.1)
+    for p in procs:
+        os.kill(p.pid, signal.SIGTERM)
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [-signal.SIGTERM] * 2  # ended as SIGTERM ends
+    stored = unickpt.Checkpointer(root).steps()
+    job = next(Path(shm).iterdir())
+    in_memory = sorted(int(p.name[5:]) for p in job.glob("step-*") if (p / "COMMIT").exists())
+    assert stored and stored[-1] == in_memory[-1] >= 3
+    empty = {0: str(tmp_path / "fresh"), 1: str(tmp_path / "fresh")}
+    results = run_ranks(2, workers.restart, root, empty, None, 16, True)
+    assert results == [(stored[-1], "storage")] * 2
+    assert torch.equal(workers.full(0), workers.full(0))

@@ -9,6 +9,7 @@ from pathlib import Path
 from unickpt.bench.systems.registry import ALL_SYSTEMS, DEFAULT_SYSTEMS, PEER_SYSTEMS
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMbBgG]?)\s*$")
+DEVICES = ("cpu", "cuda")
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
 
 
@@ -54,7 +55,10 @@ class BenchConfig:
 
     ``workdir`` holds the checkpoints (on disk, never /dev/shm); ``out`` receives the
     JSON, markdown and PNG reports. ``peers_python`` is the interpreter of the environment
-    where the peer systems are installed, or None to mark them "not installed".
+    where the peer systems are installed, or None to mark them "not installed". ``repeats``
+    runs of every system, alternating, each in fresh processes; every figure is their median.
+    ``device`` ``"cuda"`` puts the state on one GPU per rank (every row reads "skipped" on a
+    machine without CUDA).
     """
 
     params: int
@@ -67,6 +71,8 @@ class BenchConfig:
     warmup: bool = True
     system_timeout_s: float = 900.0
     command: str = ""
+    repeats: int = 3
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.world < 1:
@@ -75,5 +81,9 @@ class BenchConfig:
             raise ValueError("no system selected; pass --systems with at least one name")
         if self.seq_len < 8:
             raise ValueError(f"sequence length {self.seq_len} must be at least 8")
+        if self.repeats < 1:
+            raise ValueError(f"repeats {self.repeats} must be at least 1 (3 or more for a range)")
+        if self.device not in DEVICES:
+            raise ValueError(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
         if self.system_timeout_s <= 0:
             raise ValueError(f"system timeout {self.system_timeout_s} s must be positive")

@@ -213,6 +213,25 @@ def _load(
     return _LoadPhase(values, len(bad))
 
 
+def _extra(
+    system: CheckpointSystem, path: Path, state: TrainState, errors: list[str]
+) -> dict[str, float]:
+    """The system's own measures; a failure on any rank drops them on every rank."""
+    error = ""
+    extra: dict[str, float] = {}
+    try:
+        extra = system.extra_measures(path, state)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:  # noqa: BLE001 - recorded in the row's message
+        log.debug("extra measures failed:\n%s", traceback.format_exc())
+        error = f"extra measures: {describe(exc)}"
+    if not _all_ranks_ok(not error):
+        errors.append(error or "extra measures: failed on another rank")
+        return {}
+    return extra
+
+
 def describe(exc: BaseException, limit: int = 300) -> str:
     """The exception's type and its last meaningful line (DCP wraps every rank's traceback)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -263,6 +282,6 @@ def measure_system(
         loaded = _load(system, path, target, expected, phase, errors)
         values.update(loaded.values)
         found[phase] = loaded.mismatches
-    values.update(system.extra_measures(path, state))
+    values.update(_extra(system, path, state, errors))
     _remove(path)
     return RankMeasurement(values, found, tuple(errors))

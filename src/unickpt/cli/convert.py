@@ -6,7 +6,13 @@ import argparse
 import sys
 
 from ..errors import CheckpointError
-from ..tools.convert import FORMATS, ConvertOptions, export_checkpoint, import_checkpoint
+from ..tools.convert import (
+    FORMATS,
+    IMPORT_FORMATS,
+    ConvertOptions,
+    export_checkpoint,
+    import_checkpoint,
+)
 from ..tools.progress import progress_bar, wants_progress
 from ..tools.reports import ConvertReport
 from ..tools.to_safetensors import DEFAULT_MAX_SHARD_BYTES
@@ -32,6 +38,12 @@ largest tensor.
 --from torch        SRC is a torch.save file holding a dict (read with weights_only=True).
 --from safetensors  SRC is a .safetensors file, or a folder with an index JSON.
 --from dcp          SRC is a torch.distributed.checkpoint folder.
+--from megatron     SRC is a Megatron-Core dist_checkpointing folder (torch_dist backend);
+                    its common.pt usually needs --allow-pickle (the arguments Namespace).
+--from deepspeed    SRC is a DeepSpeed ZeRO checkpoint (stage 1-3: the save folder with
+                    'latest', or a tag folder) or a ds_to_universal folder; DeepSpeed's
+                    files need --allow-pickle. The result holds model (fp32 master weights)
+                    and optimizer (keyed by parameter name), ready for any layout.
 The new checkpoint keeps the source's structure, so unickpt.load(DST, state) fills a state
 shaped like the source; --prefix NAME puts everything under NAME.
 
@@ -55,8 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     direction.add_argument(
         "--from",
         dest="from_",
-        choices=FORMATS,
-        metavar="{safetensors,torch,dcp}",
+        choices=IMPORT_FORMATS,
+        metavar="{safetensors,torch,dcp,megatron,deepspeed}",
         help="import SRC into a new unickpt checkpoint",
     )
     parser.add_argument("--only", metavar="NAME", help="export only this subtree, prefix removed")
@@ -91,7 +103,7 @@ def _misused(args: argparse.Namespace) -> str | None:
         if args.only or args.max_shard_size:
             return "--only and --max-shard-size apply to exports (--to)"
         if args.allow_pickle and args.from_ == "safetensors":
-            return "--allow-pickle applies to --from torch and --from dcp"
+            return "--allow-pickle applies to --from torch, dcp, megatron and deepspeed"
     return None
 
 

@@ -1,5 +1,6 @@
 """Tools that work on saved checkpoints: inspect, verify, diff, and convert to and from
-safetensors, ``torch.save`` files and ``torch.distributed.checkpoint`` folders.
+safetensors, ``torch.save`` files and ``torch.distributed.checkpoint`` folders (and from
+Megatron-Core and DeepSpeed checkpoints).
 
 Each runs in one process, without a process group, and reads a checkpoint tensor by tensor.
 
@@ -11,6 +12,8 @@ True
 from .convert import FORMATS, ConvertOptions, export_checkpoint, import_checkpoint
 from .diff import DiffReport, TensorDiff, ValueDiff, diff_checkpoints
 from .from_dcp import import_dcp
+from .from_deepspeed import import_deepspeed
+from .from_megatron import import_megatron
 from .from_safetensors import import_safetensors
 from .from_torch import import_torch
 from .inspection import CheckpointSummary, ObjectInfo, TensorInfo, inspect_checkpoint
@@ -40,6 +43,8 @@ __all__ = [
     "export_torch",
     "import_checkpoint",
     "import_dcp",
+    "import_deepspeed",
+    "import_megatron",
     "import_safetensors",
     "import_torch",
     "format_bytes",

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointError
 from .from_dcp import import_dcp
+from .from_deepspeed import import_deepspeed
+from .from_megatron import import_megatron
 from .from_safetensors import import_safetensors
 from .from_torch import import_torch
 from .progress import ProgressFn
@@ -16,6 +18,7 @@ from .to_safetensors import DEFAULT_MAX_SHARD_BYTES, export_safetensors
 from .to_torch import export_torch
 
 FORMATS = ("safetensors", "torch", "dcp")
+IMPORT_FORMATS = (*FORMATS, "megatron", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,14 @@ def import_checkpoint(
         return import_safetensors(
             src, dst, prefix=o.prefix, overwrite=o.overwrite, progress=o.progress
         )
-    if fmt in ("torch", "dcp"):
-        importer = import_torch if fmt == "torch" else import_dcp
-        return importer(
+    importers = {
+        "torch": import_torch,
+        "dcp": import_dcp,
+        "megatron": import_megatron,
+        "deepspeed": import_deepspeed,
+    }
+    if fmt in importers:
+        return importers[fmt](
             src,
             dst,
             prefix=o.prefix,
@@ -70,8 +78,8 @@ def import_checkpoint(
             overwrite=o.overwrite,
             progress=o.progress,
         )
-    raise _unknown(fmt)
+    raise _unknown(fmt, IMPORT_FORMATS)
 
 
-def _unknown(fmt: str) -> CheckpointError:
-    return CheckpointError(f"format {fmt!r} is not known; expected one of {', '.join(FORMATS)}.")
+def _unknown(fmt: str, known: tuple[str, ...] = FORMATS) -> CheckpointError:
+    return CheckpointError(f"format {fmt!r} is not known; expected one of {', '.join(known)}.")

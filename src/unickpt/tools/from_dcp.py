@@ -15,6 +15,7 @@ import pickle
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -83,20 +84,7 @@ def import_dcp(
     t0 = time.perf_counter()
     src_path, dst_path = Path(src), Path(dst)
     check_distinct(src_path, dst_path)
-    meta = read_dcp_metadata(src_path)
-    tensors = {
-        k: m for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
-    }
-    value_keys = [
-        k for k, m in meta.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)
-    ]
-    values = _load_values(src_path, value_keys, allow_pickle)
-    scale = sum(_nbytes(m) for m in tensors.values())
-    dst_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{dst_path.name}.", dir=dst_path.parent) as scratch:
-        spool = Spool(Path(scratch) / "tensors.bin")
-        _spool_tensors(src_path, tensors, spool, group_bytes, _half(progress, 0, scale))
-        flat = {**spool.tensors(), **values}
+    with dcp_contents(src_path, dst_path, allow_pickle, group_bytes, progress) as (flat, meta):
         state = with_prefix(nest_by_paths(flat, meta.planner_data), prefix, src_path)
         return save_imported(
             state,
@@ -106,8 +94,35 @@ def import_dcp(
             allow_pickle=allow_pickle,
             overwrite=overwrite,
             started_s=t0,
-            progress=_half(progress, 1, scale),
+            progress=_half(progress, 1, _tensor_bytes(meta)),
         )
+
+
+@contextmanager
+def dcp_contents(
+    src: Path, dst: Path, allow_pickle: bool, group_bytes: int, progress: ProgressFn | None
+) -> Iterator[tuple[dict[str, Any], Metadata]]:
+    """Every entry of the DCP folder ``src`` by its DCP key, with its metadata; tensors are
+    spooled to a scratch file beside ``dst`` that lives as long as the context."""
+    meta = read_dcp_metadata(src)
+    tensors = {
+        k: m for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
+    }
+    value_keys = [
+        k for k, m in meta.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)
+    ]
+    values = _load_values(src, value_keys, allow_pickle)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{dst.name}.", dir=dst.parent) as scratch:
+        spool = Spool(Path(scratch) / "tensors.bin")
+        scale = _tensor_bytes(meta)
+        _spool_tensors(src, tensors, spool, group_bytes, _half(progress, 0, scale))
+        yield {**spool.tensors(), **values}, meta
+
+
+def _tensor_bytes(meta: Metadata) -> int:
+    items = meta.state_dict_metadata.values()
+    return sum(_nbytes(m) for m in items if isinstance(m, TensorStorageMetadata))
 
 
 def _half(progress: ProgressFn | None, which: int, scale: int) -> ProgressFn | None:

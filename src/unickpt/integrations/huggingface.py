@@ -1,0 +1,183 @@
+"""Hugging Face Trainer: checkpoints saved and resumed through unickpt.
+
+The one-line switch: ``UnickptTrainer`` in place of ``transformers.Trainer`` (same arguments),
+or ``UnickptTrainerMixin`` in front of another Trainer subclass::
+
+    from unickpt.integrations.huggingface import UnickptTrainer
+
+    trainer = UnickptTrainer(model=model, args=TrainingArguments(save_steps=100, ...), ...)
+    trainer.train()                                   # or train(resume_from_checkpoint=True)
+    trainer.save_model("final")                       # save_pretrained: config + safetensors
+
+What it maps: each ``save_steps`` checkpoint folder ``checkpoint-N`` gets a unickpt checkpoint
+``checkpoint-N/unickpt`` in place of the Trainer's ``model.safetensors``, ``optimizer.pt``,
+``scheduler.pt`` and ``rng_state_*.pth``, holding ``model`` (the unwrapped model),
+``optimizer`` (keyed by parameter name), ``scheduler`` and ``rng`` (each rank's Python, NumPy
+and torch generators, as a :class:`unickpt.PerRank` value). ``trainer_state.json`` stays the
+Trainer's own, so ``save_total_limit``, ``get_last_checkpoint`` and ``resume_from_checkpoint``
+work unchanged; a folder without ``unickpt`` (an ordinary Trainer checkpoint) resumes the
+Trainer's way. All ranks save together (the model's replicas are written once, split between
+the ranks). ``unickpt_async=True`` returns from a save after the snapshot. The final
+``save_model`` is the Trainer's: ``save_pretrained`` with the config.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Trainer
+
+from .. import api
+from ..engine.futures import SaveFuture
+from ..layouts.leaves import PerRank
+
+log = logging.getLogger(__name__)
+
+SUBFOLDER = "unickpt"
+PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
+
+
+class UnickptTrainerMixin:
+    """Put in front of a ``transformers.Trainer`` (subclass) to checkpoint through unickpt."""
+
+    def __init__(self, *args: Any, unickpt_async: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.unickpt_async = unickpt_async
+        self._unickpt_pending: SaveFuture | None = None
+        self._unickpt_folder: str | None = None
+
+    # -- save: the unickpt checkpoint first, then the Trainer's light files ----------------------
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        trainer: Any = self
+        run_dir = trainer._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX}-{trainer.state.global_step}")
+        self.wait_for_checkpoint()
+        state = self._unickpt_state(with_training=not trainer.args.save_only_model)
+        target = os.path.join(folder, SUBFOLDER)
+        if self.unickpt_async:
+            self._unickpt_pending = api.async_save(target, state, overwrite=True)
+        else:
+            api.save(target, state, overwrite=True)
+        self._unickpt_folder = folder
+        try:
+            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+        finally:
+            self._unickpt_folder = None
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if _internal_call and self._in_checkpoint_save(output_dir):
+            return  # the weights are in the unickpt checkpoint
+        super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._in_checkpoint_save(output_dir):
+            super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        if not self._in_checkpoint_save(output_dir):
+            super()._save_rng_state(output_dir)  # type: ignore[misc]
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the pending asynchronous save; re-raise its failure."""
+        pending, self._unickpt_pending = self._unickpt_pending, None
+        if pending is not None:
+            pending.wait()
+
+    # -- resume ---------------------------------------------------------------------------------
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        path = _unickpt_path(resume_from_checkpoint)
+        if path is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+            return
+        self.wait_for_checkpoint()
+        api.load(path, {"model": _unwrap(model if model is not None else self.model)})  # type: ignore[attr-defined]
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        path = _unickpt_path(checkpoint)
+        if path is None:
+            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+            return
+        trainer: Any = self
+        api.load(
+            path,
+            {
+                "model": _unwrap(trainer.model),  # names the optimizer's parameters
+                "optimizer": _inner(trainer.optimizer),
+                "scheduler": trainer.lr_scheduler,
+            },
+        )
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        path = _unickpt_path(checkpoint)
+        if path is None:
+            super()._load_rng_state(checkpoint)  # type: ignore[misc]
+            return
+        holder = PerRank(None)
+        api.load(path, {"rng": holder})
+        _set_rng(holder.value)
+
+    def _unickpt_state(self, with_training: bool) -> dict[str, Any]:
+        trainer: Any = self
+        state: dict[str, Any] = {"model": _unwrap(trainer.model)}
+        if with_training:
+            state["optimizer"] = _inner(trainer.optimizer)
+            if trainer.lr_scheduler is not None:
+                state["scheduler"] = trainer.lr_scheduler
+            state["rng"] = PerRank(_rng_state())
+        return state
+
+    def _in_checkpoint_save(self, output_dir: str | None) -> bool:
+        """Whether the Trainer is writing a ``checkpoint-N`` folder that unickpt already holds."""
+        return output_dir is not None and output_dir == self._unickpt_folder
+
+
+class UnickptTrainer(UnickptTrainerMixin, Trainer):
+    """``transformers.Trainer`` whose checkpoints are unickpt checkpoints."""
+
+
+def _unickpt_path(checkpoint: str | None) -> str | None:
+    if checkpoint is None:
+        return None
+    path = os.path.join(checkpoint, SUBFOLDER)
+    return path if os.path.isdir(path) else None
+
+
+def _unwrap(model: Any) -> Any:
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def _inner(optimizer: Any) -> Any:
+    """accelerate's optimizer wrapper holds the torch optimizer as ``.optimizer``."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def _rng_state() -> dict[str, Any]:
+    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(np.array(keys)), pos, has_gauss, gauss],
+        "cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy(), pos, has_gauss, cached))
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

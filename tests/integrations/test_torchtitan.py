@@ -1,0 +1,129 @@
+"""UnickptCheckpointManager under torchtitan's own model and components, 2 gloo ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="needs torchtitan: pip install 'unickpt[torchtitan]'")
+pytest.importorskip("triton", reason="torchtitan's models import triton: pip install triton")
+
+from tests.distributed import run_ranks
+from unickpt.tools import inspect_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+def _reference_fsdp(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from tests.integrations import titan_job as tj
+
+    job = tj.build(
+        world,
+        1,
+        folder,
+        6,
+        interval=2,
+        keep_latest_k=2,
+        async_mode="async_with_pinned_mem",
+        last_save_model_only=False,
+    )
+    losses = tj.train(job, 6, 6)
+    job.manager.close()
+    return {"losses": losses, "digests": tj.digests(job)}
+
+
+def _resume_fsdp(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from tests.integrations import titan_job as tj
+
+    job = tj.build(world, 1, folder, 6, interval=2, load_only=True)
+    assert job.manager.load(step=4)
+    assert job.train_state.step == 4
+    losses = tj.train(job, 6, 6)
+    job.manager.close()
+    return {"losses": losses, "digests": tj.digests(job)}
+
+
+def _load_one_rank(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from tests.integrations import titan_job as tj
+
+    job = tj.build(world, 1, folder, 6, load_only=True, exclude_from_loading=["dataloader"])
+    assert job.manager.load()
+    step = job.train_state.step
+    job.manager.close()
+    return {"step": step, "digests": tj.digests(job)}
+
+
+def test_fsdp2_save_resume_on_two_and_one_rank(tmp_path: Path) -> None:
+    folder = str(tmp_path)
+    ref = run_ranks(2, _reference_fsdp, folder)[0]
+    ckpt = tmp_path / "ckpt"
+    # keep_latest_k=2: of the saves at steps 2, 4 and 6, the last two remain
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-000000004", "step-000000006"]
+    summary = inspect_checkpoint(ckpt / "step-000000004")
+    assert summary.world_size == 2
+    keys = {t.key for t in summary.tensors} | {o.key for o in summary.objects}
+    assert "model.tok_embeddings.weight" in keys
+    assert "optimizer.state.tok_embeddings.weight.exp_avg" in keys
+    assert "lr_scheduler.last_epoch" in keys and "train_state.step" in keys
+    assert any(o.key == "dataloader.state" and o.per_rank for o in summary.objects)
+
+    one = run_ranks(1, _load_one_rank, folder)[0]
+    assert one["step"] == 6
+    assert one["digests"] == ref["digests"]  # resharded 2 -> 1 rank, bit for bit
+
+    resumed = run_ranks(2, _resume_fsdp, folder)[0]
+    assert resumed["losses"] == ref["losses"][4:]
+    assert resumed["digests"] == ref["digests"]  # same layout: training continues bit for bit
+
+
+def _reference_tp(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from tests.integrations import titan_job as tj
+
+    job = tj.build(world, 2, folder, 4, interval=2, keep_latest_k=0, async_mode="async")
+    tj.train(job, 2, 4)
+    at_two = tj.digests(job)
+    losses = tj.train(job, 4, 4)
+    job.manager.close()
+    return {"at_two": at_two, "losses": losses, "digests": tj.digests(job)}
+
+
+def _resume_tp_and_fsdp(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from tests.integrations import titan_job as tj
+
+    job = tj.build(world, 2, folder, 4, interval=2, load_only=True)
+    assert job.manager.load(step=2)
+    losses = tj.train(job, 4, 4)
+    resumed = tj.digests(job)
+    job.manager.close()
+    # the same checkpoint into FSDP2 (dp_shard=2): another layout, another data-parallel degree
+    fsdp = tj.build(world, 1, folder, 4, load_only=True, exclude_from_loading=["dataloader"])
+    assert fsdp.manager.load(step=2)
+    fsdp.manager.close()
+    return {"losses": losses, "digests": resumed, "fsdp_at_two": tj.digests(fsdp)}
+
+
+def test_tensor_parallel_save_resume_and_reshard_to_fsdp2(tmp_path: Path) -> None:
+    folder = str(tmp_path)
+    ref = run_ranks(2, _reference_tp, folder)[0]
+    last = inspect_checkpoint(tmp_path / "ckpt" / "step-000000004")
+    # the last save is the model only (torchtitan's last_save_model_only default)
+    assert {t.key.split(".")[0] for t in last.tensors} == {"model"}
+    assert not any(o.per_rank for o in last.objects)
+
+    out = run_ranks(2, _resume_tp_and_fsdp, folder)[0]
+    assert out["losses"] == ref["losses"]
+    assert out["digests"] == ref["digests"]
+    assert out["fsdp_at_two"] == ref["at_two"]
+
+
+def test_config_refuses_what_it_cannot_do() -> None:
+    from unickpt.integrations.torchtitan import UnickptCheckpointManager
+
+    with pytest.raises(ValueError, match="unickpt convert --from/--to safetensors"):
+        UnickptCheckpointManager.Config(last_save_in_hf=True)
+    with pytest.raises(ValueError, match="async_mode is 'sometimes'"):
+        UnickptCheckpointManager.Config(async_mode="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="keep_latest_k"):  # torchtitan's own checks still apply
+        UnickptCheckpointManager.Config(keep_latest_k=-1)

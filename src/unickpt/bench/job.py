@@ -1,4 +1,4 @@
-"""One benchmark job: spawn the ranks, build the state, then measure the hardware or one run of
+"""One benchmark job: start the ranks, build the state, then measure the hardware or one run of
 one system.
 
 Run by the harness as ``python -m unickpt.bench.job ...`` (with the peers' interpreter for the
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from unickpt.bench.config import DEVICES
 from unickpt.bench.hardware import measure_hardware
 from unickpt.bench.model import (
     GPTConfig,
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--hardware", action="store_true")
     parser.add_argument("--no-warmup", action="store_true")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", choices=DEVICES, default="cpu")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 

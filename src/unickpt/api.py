@@ -1,7 +1,8 @@
 """The public functions: save, load, async_save.
 
 All ranks of ``group`` (default: the world) call them together; in a single process no
-process group is needed.
+process group is needed. A path is a local folder or a URL (``memory://...``, ``gs://...``;
+see docs/storage.md), or a :class:`~unickpt.storage.base.Storage`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .engine.staging import ARENA, snapshot, stream_marker
 from .engine.write import ItemSource
 from .planning.capture import Capture, capture
 from .storage.base import Storage
-from .storage.local import LocalStorage
+from .storage.registry import open_storage
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,8 @@ _register(_finish_at_exit)
 
 
 def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
-    """The storage backend for a path (a local folder) or a ready-made backend."""
-    if isinstance(path, Storage):
-        return path
-    return LocalStorage(path)
+    """The storage backend for a path or URL (see :func:`open_storage`), or a ready-made one."""
+    return open_storage(path)
 
 
 def save(

@@ -3,6 +3,8 @@
 One folder per step (``step-000000100``), counted only once committed; the newest intact one
 is found on restart, damaged ones are skipped with a warning; old ones are deleted only after
 a newer one is committed; folders left by an interrupted save are removed by a later save.
+The root is any path or URL a storage backend serves; listing, deleting and locking go
+through that backend.
 """
 
 from __future__ import annotations
@@ -10,10 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from . import api
@@ -23,15 +23,72 @@ from .engine.futures import SaveFuture
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
-    CheckpointLockedError,
     CheckpointNotFoundError,
 )
 from .format.metadata import COMMIT_FILE
-from .storage.local import LocalStorage
+from .storage.base import Storage
+from .storage.registry import open_storage
 
 log = logging.getLogger(__name__)
 
 _STEP = re.compile(r"^step-(\d+)$")
+
+
+def step_name(step: int) -> str:
+    """The folder name of ``step`` under a Checkpointer root."""
+    return f"step-{step:09d}"
+
+
+def step_folders(root: Storage) -> dict[int, str]:
+    """Every step folder under ``root`` (committed or not), by step."""
+    found = {}
+    for name in root.list_names():
+        m = _STEP.match(name)
+        if m:
+            found[int(m.group(1))] = name
+    return found
+
+
+def committed_steps(root: Storage) -> list[int]:
+    """Steps whose folder holds a commit marker, ascending (folders without one are ignored)."""
+    return sorted(
+        s
+        for s, name in step_folders(root).items()
+        if root.child(name).size(COMMIT_FILE) is not None
+    )
+
+
+def open_checkpoint(location: str | os.PathLike[str] | Storage, step: int | None = None) -> Storage:
+    """The checkpoint at ``location``; for a Checkpointer root, its newest committed step, or
+    ``step`` when given.
+
+    >>> reader = CheckpointReader(open_checkpoint("runs/gpt"))  # doctest: +SKIP
+    """
+    storage = open_storage(location)
+    is_checkpoint = storage.size(COMMIT_FILE) is not None
+    if step is None and is_checkpoint:
+        return storage
+    if step is not None and is_checkpoint:
+        raise CheckpointError(
+            f"{storage.location} is a checkpoint, not a Checkpointer root (a folder of step-N "
+            "folders); a step applies to roots. Leave out the step or pass the root."
+        )
+    folders = step_folders(storage)
+    if step is None and not folders:
+        return storage  # not a root either: loading it says what is there
+    committed = committed_steps(storage)
+    if step is None and not committed:
+        raise CheckpointNotFoundError(
+            f"{storage.location} is a Checkpointer root whose {len(folders)} step folder(s) hold "
+            "no committed checkpoint: the saves that wrote them did not finish."
+        )
+    if step is not None and step not in committed:
+        listed = ", ".join(map(str, committed[-10:])) or "none"
+        raise CheckpointNotFoundError(
+            f"step {step} is not a committed checkpoint of {storage.location}; its committed "
+            f"steps are: {listed}. Pass one of them."
+        )
+    return storage.child(step_name(committed[-1] if step is None else step))
 
 
 class Checkpointer:
@@ -48,13 +105,16 @@ class Checkpointer:
 
     The checkpoint of step N holds the state after step N: a resumed loop goes on with N + 1.
 
-    All ranks of ``group`` construct it and call ``save``/``load_latest`` together. ``root``
-    is locked for the Checkpointer's lifetime, so two jobs cannot write into it at once.
+    All ranks of ``group`` construct it and call ``save``/``load_latest`` together. ``root`` is
+    a path or URL (``s3://bucket/run``, ``memory://run``, ...) or a :class:`Storage`. A
+    Checkpointer that saves is a writer: its first ``save`` takes the root's lock (held until
+    ``close``), so two jobs cannot write into one root; one that only lists and loads (an
+    evaluation job beside training) never locks and works beside the writer.
     """
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: str | os.PathLike[str] | Storage,
         *,
         keep_last: int | None = None,
         group: Any = None,
@@ -64,7 +124,7 @@ class Checkpointer:
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last is {keep_last}; expected None or at least 1.")
-        self.root = Path(root)
+        self.storage = open_storage(root)
         self.keep_last = keep_last
         self.group = group
         self.async_save = async_save
@@ -74,50 +134,42 @@ class Checkpointer:
         self._pending: SaveFuture | None = None
         self._release: Callable[[], None] | None = None
 
-        def lock() -> tuple[Callable[[], None] | None, None]:
-            if not self._comm.is_coordinator:
-                return None, None
-            try:
-                return LocalStorage(self.root).acquire_lock(), None
-            except CheckpointLockedError:
-                raise
-            except CheckpointError as e:
-                log.warning("%s; checkpoints here can be loaded but not saved", e)
-                return None, None
-
-        self._release, _ = run_step(self._comm, "opening the checkpoint root", lock)
+    @property
+    def root(self) -> str:
+        """Where the step folders are (a path or URL)."""
+        return self.storage.location
 
     def path(self, step: int) -> str:
-        return str(self.root / f"step-{step:09d}")
+        """The location of ``step``'s folder (a path or URL that ``unickpt.load`` takes)."""
+        return self._step(step).location
+
+    def _step(self, step: int) -> Storage:
+        return self.storage.child(step_name(step))
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        found = []
-        for name in names:
-            m = _STEP.match(name)
-            if m and (self.root / name / COMMIT_FILE).is_file():
-                found.append(int(m.group(1)))
-        return sorted(found)
+        return committed_steps(self.storage)
 
     def save(self, step: int, state: dict[str, Any]) -> SaveFuture:
-        """Save ``state`` as ``step``: asynchronous unless ``async_save=False``."""
+        """Save ``state`` as ``step``: asynchronous unless ``async_save=False``.
+
+        The first save locks the root (:class:`~unickpt.errors.CheckpointLockedError` when
+        another job writes into it) and removes folders left by interrupted saves.
+        """
         self.wait()
         if step < 0:
             raise CheckpointError(f"step is {step}; expected a non-negative integer.")
+        if self._release is None:
+            self._lock()
         if self._comm.is_coordinator:
             self._remove_debris(keep=step)
+        target = self._step(step)
         if not self.async_save:
-            report = api.save(
-                self.path(step), state, group=self.group, overwrite=True, config=self.config
-            )
+            report = api.save(target, state, group=self.group, overwrite=True, config=self.config)
             self._retain(step)
             return SaveFuture.completed(report)
         self._pending = api.async_save(
-            self.path(step),
+            target,
             state,
             group=self.group,
             overwrite=True,
@@ -127,6 +179,14 @@ class Checkpointer:
         )
         return self._pending
 
+    def _lock(self) -> None:
+        """Take the root's writer lock on the coordinator; every rank learns the outcome."""
+
+        def lock() -> tuple[Callable[[], None], None]:
+            return (self.storage.acquire_lock() if self._comm.is_coordinator else _no_op), None
+
+        self._release, _ = run_step(self._comm, "locking the checkpoint root", lock)
+
     def load_latest(self, state: dict[str, Any], *, strict: bool = True) -> int | None:
         """Load the newest intact checkpoint into ``state``; its step, or None when none."""
         self.wait()
@@ -134,7 +194,7 @@ class Checkpointer:
         for step in reversed(steps):
             try:
                 api.load(
-                    self.path(step), state, group=self.group, strict=strict, config=self.config
+                    self._step(step), state, group=self.group, strict=strict, config=self.config
                 )
                 return step
             except (CheckpointCorruptError, CheckpointNotFoundError) as e:
@@ -171,22 +231,23 @@ class Checkpointer:
             return
         older = [s for s in self.steps() if s < newest]
         for step in older[: max(0, len(older) - (self.keep_last - 1))]:
-            _delete_checkpoint(Path(self.path(step)))
+            self._delete(step_name(step), uncommit=True)
 
     def _remove_debris(self, keep: int) -> None:
+        for step, name in step_folders(self.storage).items():
+            if step != keep and self.storage.child(name).size(COMMIT_FILE) is None:
+                log.info("removing %s, left by an interrupted save", self._step(step).location)
+                self._delete(name, uncommit=False)
+
+    def _delete(self, name: str, uncommit: bool) -> None:
+        """Uncommit first, so a crash midway leaves debris, never a half-deleted checkpoint."""
         try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return
-        for name in names:
-            m = _STEP.match(name)
-            folder = self.root / name
-            if m and int(m.group(1)) != keep and not (folder / COMMIT_FILE).exists():
-                log.info("removing %s, left by an interrupted save", folder)
-                shutil.rmtree(folder, ignore_errors=True)
+            if uncommit:
+                self.storage.child(name).remove(COMMIT_FILE)
+            self.storage.remove_tree(name)
+        except CheckpointError as e:
+            log.warning("could not delete %s (%s); delete it by hand", name, e)
 
 
-def _delete_checkpoint(folder: Path) -> None:
-    """Uncommit first, so a crash midway leaves debris, never a half-deleted checkpoint."""
-    (folder / COMMIT_FILE).unlink(missing_ok=True)
-    shutil.rmtree(folder, ignore_errors=True)
+def _no_op() -> None:
+    return None

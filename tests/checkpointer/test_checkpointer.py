@@ -47,9 +47,26 @@ def test_falls_back_over_damaged_and_ignores_uncommitted(tmp_path: Path) -> None
 def test_empty_root_and_second_job(tmp_path: Path) -> None:
     ckpt = unickpt.Checkpointer(tmp_path / "new")
     assert ckpt.load_latest(_state(0)) is None and ckpt.steps() == []
+    assert not (tmp_path / "new").exists(), "a reader creates nothing"
+    ckpt.save(1, _state(1)).wait()
     with pytest.raises(unickpt.CheckpointLockedError, match="two jobs"):
-        unickpt.Checkpointer(tmp_path / "new")
+        unickpt.Checkpointer(tmp_path / "new").save(2, _state(2))
     ckpt.close()
-    unickpt.Checkpointer(tmp_path / "new").close()
+    with unickpt.Checkpointer(tmp_path / "new", async_save=False) as again:
+        again.save(2, _state(2))
+        assert again.steps() == [1, 2]
     with pytest.raises(unickpt.CheckpointError, match="keep_last is 0"):
         unickpt.Checkpointer(tmp_path / "x", keep_last=0)
+
+
+def test_readers_never_lock(tmp_path: Path) -> None:
+    with unickpt.Checkpointer(tmp_path, async_save=False) as writer:
+        writer.save(3, _state(3))
+    assert unickpt.Checkpointer(tmp_path).path(3).endswith("step-000000003")
+    dest = _state(-1)
+    assert unickpt.Checkpointer(tmp_path).load_latest(dest) == 3
+    assert torch.equal(dest["w"], torch.full((64,), 3.0))  # type: ignore[arg-type]
+    with unickpt.Checkpointer(tmp_path, async_save=False) as writer:
+        reader = unickpt.Checkpointer(tmp_path)
+        writer.save(4, _state(4))
+        assert reader.steps() == [3, 4] and reader.load_latest(dest) == 4

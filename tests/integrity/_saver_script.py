@@ -6,8 +6,9 @@ JSON command per line on stdin and answers one JSON line on stdout:
 - ``{"cmd": "run", "mode": M, "root": R, "report": F, "start": N, "seed": S}`` forks a worker
   that saves steps ``N, N + 1, ...`` and answers ``{"pid": P}``. ``M`` is ``"sync"`` or
   ``"async"`` (a :class:`unickpt.Checkpointer` on root ``R``), ``"single"`` (``unickpt.save``
-  into folder ``R`` with ``overwrite=True``) or ``"hold"`` (open a Checkpointer on ``R`` and
-  sleep). After each committed save the worker appends ``committed N`` to ``F``.
+  into folder ``R`` with ``overwrite=True``) or ``"hold"`` (a Checkpointer on ``R`` saves step
+  ``N``, which takes the root's lock, reports ``locked`` and sleeps). After each committed
+  save the worker appends ``committed N`` to ``F``.
 - ``{"cmd": "reap", "pid": P}`` waits for worker ``P`` and answers
   ``{"pid": P, "signal": SIG, "code": CODE}``.
 
@@ -108,8 +109,10 @@ def _work(mode: str, root: str, report: str, start: int, seed: int) -> None:
             _report(fd, f"committed {step}")
             step += 1
     ckpt = unickpt.Checkpointer(root, keep_last=KEEP_LAST, async_save=mode == "async")
-    _report(fd, "locked")
-    if mode == "hold":
+    if mode == "hold":  # a writer: its first save takes the root's lock
+        set_step(state, start)
+        ckpt.save(start, state).wait()
+        _report(fd, "locked")
         while True:
             time.sleep(1)
     step = start

@@ -223,17 +223,22 @@ def test_two_checkpointers_on_one_root(tmp_path: Path) -> None:
     root = tmp_path / "run"
     first = unickpt.Checkpointer(root)
     try:
+        first.save(1, _model_state(1.0)).wait()
+        second = unickpt.Checkpointer(root)  # a reader: lists and loads beside the writer
+        state = _blank()
+        assert second.steps() == [1] and second.load_latest(state) == 1 and _holds(state, 1.0)
         with pytest.raises(unickpt.CheckpointLockedError) as info:
-            unickpt.Checkpointer(root)
+            second.save(2, _model_state(2.0))
         message = str(info.value)
         assert f"is being written by pid {os.getpid()}" in message
         assert "two jobs must not save into the same place" in message
-        first.save(1, _model_state(1.0)).wait()
+        first.save(2, _model_state(2.0)).wait()
     finally:
         first.close()
-    with unickpt.Checkpointer(root) as second:
+    with unickpt.Checkpointer(root) as third:
         state = _blank()
-        assert second.load_latest(state) == 1 and _holds(state, 1.0)
+        assert third.load_latest(state) == 2 and _holds(state, 2.0)
+        third.save(3, _model_state(3.0)).wait()  # the lock was released by close()
 
 
 def test_two_processes_on_one_root(tmp_path: Path, saver_server: SaverServer) -> None:
@@ -243,12 +248,41 @@ def test_two_processes_on_one_root(tmp_path: Path, saver_server: SaverServer) ->
     try:
         wait_for_line(report, "locked", timeout_s=30)
         with pytest.raises(unickpt.CheckpointLockedError, match=f"pid {pid} "):
-            unickpt.Checkpointer(root)
+            unickpt.Checkpointer(root).save(1, _model_state(1.0))
+        assert unickpt.Checkpointer(root).steps() == [0], "a reader works beside the writer"
     finally:
         assert saver_server.kill(pid)["signal"] == 9
     with unickpt.Checkpointer(root) as ckpt:  # the lock died with its holder
         ckpt.save(3, _model_state(3.0)).wait()
-        assert ckpt.steps() == [3]
+        assert ckpt.steps() == [0, 3]
+
+
+def test_a_reader_process_beside_a_writer_process(
+    tmp_path: Path, saver_server: SaverServer
+) -> None:
+    """An evaluation job lists and loads while training saves: it never meets the writer's
+    lock, and every checkpoint it loads is whole."""
+    root = tmp_path / "run"
+    report = tmp_path / "report.txt"
+    pid = saver_server.start("sync", root, report, 0, 0)
+    loaded = []
+    try:
+        wait_for_line(report, "committed 1", timeout_s=60)
+        reader = unickpt.Checkpointer(root)
+        state = build_state()
+        for _ in range(10):
+            with warnings.catch_warnings():  # a step retention deletes while it is read
+                warnings.simplefilter("ignore")
+                step = reader.load_latest(state)
+            assert step is not None
+            got, wrong = check_step(state)
+            assert got == step and wrong == []
+            loaded.append(step)
+        with pytest.raises(unickpt.CheckpointLockedError, match=f"pid {pid} "):
+            reader.save(10_000, state)
+    finally:
+        assert saver_server.kill(pid)["signal"] == 9
+    assert loaded == sorted(loaded) and loaded[-1] >= 1
 
 
 def _big_state(mib: int) -> dict[str, Any]:

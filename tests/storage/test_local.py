@@ -1,35 +1,48 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from unickpt import CheckpointCorruptError, CheckpointLockedError
-from unickpt.storage import LocalStorage, check_name
+from unickpt import CheckpointLockedError
+from unickpt.storage import LocalStorage
+from unickpt.storage.local import make_folder, pwritev_all
 
 
-def test_write_read_atomic_and_ranges(tmp_path: Path) -> None:
+def test_pwritev_of_more_buffers_than_one_call_takes(tmp_path: Path) -> None:
+    pieces = [bytes([i % 256]) * (1 + i % 5) for i in range(3000)]
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        pwritev_all(fd, [memoryview(p) for p in pieces], 7)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"\0" * 7 + b"".join(pieces)
+
+
+def test_parts_land_at_their_offsets(tmp_path: Path) -> None:
     s = LocalStorage(tmp_path / "c")
-    h = s.create("data-00-00000.bin", 10)
-    h.write_at(5, memoryview(b"world"))
-    h.write_at(0, memoryview(b"hello"))
-    h.close()
-    out = bytearray(5)
-    s.read_into("data-00-00000.bin", 5, memoryview(out))
-    assert out == b"world"
-    s.write_atomic("COMMIT", b"x")
-    s.write_atomic("COMMIT", b"y")
-    assert s.read_bytes("COMMIT") == b"y"
-    assert [n for n in s.list_names() if n.endswith(".tmp")] == []
-    with pytest.raises(CheckpointCorruptError, match="truncated"):
-        s.read_into("data-00-00000.bin", 8, memoryview(bytearray(5)))
-    s.close()
+    h = s.create("d", [3, 4, 2])
+    h.write_part(2, [memoryview(b"89")])
+    h.write_part(0, [memoryview(b"01"), memoryview(b"2")])
+    h.write_part(1, [memoryview(bytearray(b"4567"))[:0], memoryview(b"3456")])
+    h.complete()
+    assert (tmp_path / "c" / "d").read_bytes() == b"012345689"
 
 
-@pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/b", "..", ".", ""])
-def test_names_never_escape(name: str) -> None:
-    with pytest.raises(CheckpointCorruptError, match="not a plain file name"):
-        check_name(name)
+def test_new_folders_and_their_parents_are_made(tmp_path: Path) -> None:
+    deep = tmp_path / "a" / "b" / "c"
+    make_folder(deep)
+    make_folder(deep)
+    assert deep.is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError):
+        make_folder(tmp_path / "file")
+    s = LocalStorage(tmp_path / "x" / "y").child("step-000000001")
+    s.write_atomic("COMMIT", b"1")
+    assert (tmp_path / "x" / "y" / "step-000000001" / "COMMIT").read_bytes() == b"1"
+    assert not LocalStorage(tmp_path / "file").list_names()
+    assert LocalStorage(tmp_path / "file").is_file()
 
 
 def test_lock_is_exclusive(tmp_path: Path) -> None:

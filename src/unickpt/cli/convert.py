@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..checkpointer import open_checkpoint
 from ..errors import CheckpointError
 from ..tools.convert import (
     FORMATS,
@@ -17,6 +18,7 @@ from ..tools.progress import progress_bar, wants_progress
 from ..tools.reports import ConvertReport
 from ..tools.to_safetensors import DEFAULT_MAX_SHARD_BYTES
 from ..tools.units import format_bytes, parse_size
+from .steps import add_step_option
 
 _DESCRIPTION = """\
 Export a unickpt checkpoint to another format (--to), consolidated into whole tensors, or
@@ -34,6 +36,8 @@ largest tensor.
                     process into a state with the same keys.
 --only NAME         exports only the subtree NAME, with the "NAME." prefix removed, ready
                     for model.load_state_dict.
+SRC of an export is a checkpoint or a Checkpointer root (its newest committed step, or
+--step N), at a path or any URL (s3://, memory://, ...); --no-verify skips its checksums.
 
 --from torch        SRC is a torch.save file holding a dict (read with weights_only=True).
 --from safetensors  SRC is a .safetensors file, or a folder with an index JSON.
@@ -45,10 +49,12 @@ largest tensor.
                     files need --allow-pickle. The result holds model (fp32 master weights)
                     and optimizer (keyed by parameter name), ready for any layout.
 The new checkpoint keeps the source's structure, so unickpt.load(DST, state) fills a state
-shaped like the source; --prefix NAME puts everything under NAME.
+shaped like the source; --prefix NAME puts everything under NAME. DST may be a URL.
+A conversion that fails leaves nothing at DST.
 
 examples:
   unickpt convert ckpt/step-1000 hf-model --to safetensors --only model --max-shard-size 2GB
+  unickpt convert runs/gpt model.pt --to torch --only model        # newest step of a root
   unickpt convert model.pt ckpt/imported --from torch --prefix model"""
 
 
@@ -60,8 +66,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("src", metavar="SRC", help="what to convert")
-    parser.add_argument("dst", metavar="DST", help="where to write the result")
+    parser.add_argument(
+        "src",
+        metavar="SRC",
+        help="what to convert; for --to, a checkpoint or a Checkpointer root (path or URL)",
+    )
+    parser.add_argument(
+        "dst",
+        metavar="DST",
+        help="where to write the result (for --from, a path or URL); nothing stays on failure",
+    )
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--to", choices=FORMATS, help="export unickpt checkpoint SRC")
     direction.add_argument(
@@ -83,6 +97,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="import objects that need pickle (only from sources you trust)",
     )
+    add_step_option(parser, "SRC (--to)")
+    parser.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="exports: do not check the source's checksums while reading it",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     parser.add_argument(
         "--progress",
@@ -100,8 +121,8 @@ def _misused(args: argparse.Namespace) -> str | None:
         if args.max_shard_size and args.to != "safetensors":
             return "--max-shard-size applies to --to safetensors"
     else:
-        if args.only or args.max_shard_size:
-            return "--only and --max-shard-size apply to exports (--to)"
+        if args.only or args.max_shard_size or args.step is not None or not args.verify:
+            return "--only, --max-shard-size, --step and --no-verify apply to exports (--to)"
         if args.allow_pickle and args.from_ == "safetensors":
             return "--allow-pickle applies to --from torch, dcp, megatron and deepspeed"
     return None
@@ -123,10 +144,14 @@ def run(args: argparse.Namespace) -> int:
                 prefix=args.prefix,
                 allow_pickle=args.allow_pickle,
                 overwrite=args.overwrite,
+                verify=args.verify,
                 progress=progress,
             )
-            convert = export_checkpoint if args.to else import_checkpoint
-            report = convert(args.src, args.dst, fmt, options)
+            if args.to:
+                source = open_checkpoint(args.src, args.step)
+                report = export_checkpoint(source, args.dst, fmt, options)
+            else:
+                report = import_checkpoint(args.src, args.dst, fmt, options)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

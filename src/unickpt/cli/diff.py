@@ -7,11 +7,16 @@ import json
 import sys
 from dataclasses import asdict
 
+from ..checkpointer import open_checkpoint
 from ..errors import CheckpointError
+from ..format.metadata import COMMIT_FILE
+from ..storage.base import Storage
+from ..storage.registry import open_storage
 from ..tools.diff import DiffReport, TensorDiff, diff_checkpoints
 from ..tools.progress import progress_bar, wants_progress
 from ..tools.table import format_table
 from ..tools.units import format_bytes
+from .steps import PATH_HELP, add_step_option
 
 _DESCRIPTION = """\
 Compare two checkpoints tensor by tensor, reading large tensors in row blocks, and value by
@@ -31,8 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("a", metavar="A", help="first checkpoint folder")
-    parser.add_argument("b", metavar="B", help="second checkpoint folder")
+    parser.add_argument("a", metavar="A", help="first checkpoint: " + PATH_HELP)
+    parser.add_argument("b", metavar="B", help="second checkpoint, the same way")
+    add_step_option(parser, "A or B")
     parser.add_argument(
         "--atol",
         type=float,
@@ -53,9 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         with progress_bar("comparing", wants_progress(args.progress)) as progress:
-            report = diff_checkpoints(
-                args.a, args.b, atol=args.atol, rtol=args.rtol, progress=progress
-            )
+            a, b = (_open(p, args.step) for p in (args.a, args.b))
+            report = diff_checkpoints(a, b, atol=args.atol, rtol=args.rtol, progress=progress)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -64,6 +69,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(report))
     return 0 if report.identical else 1
+
+
+def _open(path: str, step: int | None) -> Storage:
+    """``path``'s checkpoint; ``step`` applies when it is a Checkpointer root."""
+    storage = open_storage(path)
+    return open_checkpoint(storage, None if storage.size(COMMIT_FILE) is not None else step)
 
 
 def _what(d: TensorDiff) -> str:

@@ -6,10 +6,12 @@ import argparse
 import json
 import sys
 
+from ..checkpointer import open_checkpoint
 from ..errors import CheckpointError
 from ..tools.inspection import CheckpointSummary, inspect_checkpoint
 from ..tools.table import format_table
 from ..tools.units import format_bytes
+from .steps import PATH_HELP, add_step_option
 
 _DESCRIPTION = """\
 Print the tensors of a checkpoint (key, dtype, global shape, the layout it was saved from,
@@ -26,14 +28,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("path", metavar="PATH", help="checkpoint folder (holds a COMMIT file)")
+    parser.add_argument("path", metavar="PATH", help=PATH_HELP)
+    add_step_option(parser)
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        summary = inspect_checkpoint(args.path)
+        summary = inspect_checkpoint(open_checkpoint(args.path, args.step))
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

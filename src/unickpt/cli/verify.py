@@ -7,10 +7,12 @@ import json
 import sys
 from dataclasses import asdict
 
+from ..checkpointer import open_checkpoint
 from ..errors import CheckpointError
 from ..tools.progress import progress_bar, wants_progress
 from ..tools.units import format_bytes
 from ..tools.verify import VerifyReport, verify_checkpoint
+from .steps import PATH_HELP, add_step_option
 
 _DESCRIPTION = """\
 Check a checkpoint without loading it: the commit marker, the metadata's size and checksum,
@@ -31,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("path", metavar="PATH", help="checkpoint folder (holds a COMMIT file)")
+    parser.add_argument("path", metavar="PATH", help=PATH_HELP)
+    add_step_option(parser)
     parser.add_argument(
         "--threads",
         type=int,
@@ -51,7 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         with progress_bar("verifying", wants_progress(args.progress)) as progress:
-            report = verify_checkpoint(args.path, io_threads=args.threads, progress=progress)
+            source = open_checkpoint(args.path, args.step)
+            report = verify_checkpoint(source, io_threads=args.threads, progress=progress)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,14 +1,15 @@
 """The commit protocol: data first and durable, then metadata, then the commit marker.
 
 A folder holds a checkpoint only once its ``COMMIT`` marker exists; the marker names the
-metadata file and pins its size and checksum, and is replaced atomically, so a crash at any
-instant leaves either the previous checkpoint or the new one, never a mix.
+metadata file and pins its size and checksum, and is replaced atomically (a rename on file
+systems, a single PUT on object stores), so a crash at any instant leaves either the previous
+checkpoint or the new one, never a mix. Everything goes through the folder's
+:class:`~unickpt.storage.base.Storage`: reading, writing, listing and removing debris.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -99,7 +100,7 @@ def _read_index(storage: Storage, ref: FileRef, file: int) -> list[tuple[str, Ch
 
 
 def _not_found_message(storage: Storage) -> str:
-    if os.path.isfile(storage.location):
+    if storage.is_file():
         return (
             f"{storage.location} is a file, not a unickpt checkpoint (checkpoints are folders "
             "with a COMMIT file); pass the checkpoint's folder."

@@ -15,7 +15,7 @@ from ..format.values import decode_value
 from ..layouts.boxes import Box
 from ..planning.load_plan import plan_reads
 from ..storage.base import Storage
-from ..storage.local import LocalStorage
+from ..storage.registry import open_storage
 from .commit import read_checkpoint
 from .read import ReadStats, execute_reads
 
@@ -35,7 +35,7 @@ class CheckpointReader:
         verify: bool = True,
         config: Config | None = None,
     ) -> None:
-        self.storage = path if isinstance(path, Storage) else LocalStorage(path)
+        self.storage = open_storage(path)
         self.commit: CommitRecord
         self.metadata: Metadata
         self.commit, self.metadata = read_checkpoint(self.storage)

@@ -1,16 +1,16 @@
-"""The write path: one data file per writing rank, filled by parallel positional writes.
+"""The write path: one data file per writing rank, written as parts from parallel threads.
 
-The rank's :class:`WriteItem` list is cut into :class:`WriteTask` s: large chunks into pieces of
-``window_bytes`` (a multiple of the checksum segment, so each piece hashes its own segments),
-small chunks batched into one write (the alignment padding between them zeroed). Worker threads
-copy (when needed), hash and ``pwrite``; the file is made durable before the function returns.
+:func:`~unickpt.engine.parts.plan_parts` cuts the rank's file into parts the backend can take.
+Worker threads hash each part's chunk pieces and hand the part to the backend as a list of
+buffers: views of the sources themselves (no copy) and zero padding. The file is completed
+(durable) before :func:`write_file` returns, or aborted (nothing left) when anything fails.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -20,25 +20,9 @@ from ..format.dtypes import buffer_of, byte_view
 from ..planning.save_plan import WriteItem
 from ..storage.base import Storage, WriteHandle
 from .checksum import segment_digests
-from .memcpy import copy_tensor
+from .parts import Part, PartRules, plan_parts
 
-
-@dataclass(frozen=True)
-class Span:
-    """Bytes ``[start, start + nbytes)`` of write item ``item``."""
-
-    item: int
-    start: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class WriteTask:
-    """One positional write of ``nbytes`` at ``file_offset``, made of consecutive spans."""
-
-    file_offset: int
-    nbytes: int
-    spans: tuple[Span, ...]
+_ZEROS = memoryview(bytes(4096))
 
 
 @dataclass(frozen=True)
@@ -47,35 +31,6 @@ class WriteResult:
 
     checksums: tuple[tuple[str, ...], ...]
     nbytes: int
-
-
-def build_tasks(
-    items: Sequence[WriteItem], window_bytes: int, small_bytes: int, splittable: Sequence[bool]
-) -> list[WriteTask]:
-    """Cut items (in file order) into tasks: big ones split, small ones batched."""
-    tasks: list[WriteTask] = []
-    batch: list[Span] = []
-
-    def flush() -> None:
-        if batch:
-            start = items[batch[0].item].byte_offset
-            last = items[batch[-1].item]
-            tasks.append(WriteTask(start, last.byte_offset + last.nbytes - start, tuple(batch)))
-            batch.clear()
-
-    for i, item in enumerate(items):
-        if item.nbytes >= small_bytes:
-            flush()
-            step = window_bytes if splittable[i] else max(item.nbytes, 1)
-            for start in range(0, item.nbytes, step):
-                n = min(step, item.nbytes - start)
-                tasks.append(WriteTask(item.byte_offset + start, n, (Span(i, start, n),)))
-        else:
-            batch.append(Span(i, 0, item.nbytes))
-            if sum(s.nbytes for s in batch) >= window_bytes:
-                flush()
-    flush()
-    return tasks
 
 
 class ItemSource:
@@ -89,10 +44,6 @@ class ItemSource:
         t = self.view if self.direct else self.view.to("cpu").contiguous()
         return byte_view(t)
 
-    def copy_into(self, out: torch.Tensor) -> None:
-        """Copy the item's elements into ``out`` (a uint8 tensor of the item's size)."""
-        copy_tensor(out, self.contiguous_bytes())
-
 
 def write_file(
     storage: Storage,
@@ -104,59 +55,75 @@ def write_file(
 ) -> WriteResult:
     """Write ``items`` from ``sources`` into ``name``; durable on return.
 
-    ``progress(bytes_written, bytes_total)`` is called as each piece lands.
+    ``progress(bytes_written, bytes_total)`` is called as each part lands.
     """
-    total = items[-1].byte_offset + items[-1].nbytes if items else 0
-    splittable = [s.direct for s in sources]
-    tasks = build_tasks(items, config.window_bytes, config.small_chunk_bytes, splittable)
-    offsets = [i.byte_offset for i in items]
-    handle = storage.create(name, total)
+    rules = PartRules(
+        target_bytes=config.window_bytes,
+        segment_bytes=config.segment_bytes,
+        small_bytes=config.small_chunk_bytes,
+        min_bytes=storage.min_part_bytes,
+        max_parts=storage.max_parts,
+    )
+    extents = [(i.byte_offset, i.nbytes) for i in items]
+    parts = plan_parts(extents, [s.direct for s in sources], rules)
+    total = sum(p.nbytes for p in parts)
+    handle = storage.create(name, [p.nbytes for p in parts])
     digests: dict[tuple[int, int], list[str]] = {}
+    pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-write")
     try:
-        with ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-write") as pool:
-            futures = [
-                pool.submit(_run_task, handle, task, sources, offsets, config.segment_bytes)
-                for task in tasks
-            ]
-            done = 0
-            for task, fut in zip(tasks, futures):
-                for key, value in fut.result().items():
-                    digests[key] = value
-                done += task.nbytes
-                if progress is not None:
-                    progress(done, total)
+        futures = [
+            pool.submit(_write_part, handle, part, sources, config.segment_bytes) for part in parts
+        ]
+        done = 0
+        for part, fut in zip(parts, futures):
+            digests.update(_result(fut, pool, handle))
+            done += part.nbytes
+            if progress is not None:
+                progress(done, total)
+        pool.shutdown()
+        handle.complete()
     except BaseException:
-        handle.close(durable=False)
-        storage.remove(name)
+        handle.abort()
         raise
-    handle.close(durable=True)
+    finally:
+        pool.shutdown(cancel_futures=True)
     return WriteResult(_ordered(digests, items, config.segment_bytes), total)
 
 
-def _run_task(
-    handle: WriteHandle,
-    task: WriteTask,
-    sources: Sequence[ItemSource],
-    offsets: Sequence[int],
-    segment: int,
+def _result(
+    fut: Future[dict[tuple[int, int], list[str]]], pool: ThreadPoolExecutor, handle: WriteHandle
 ) -> dict[tuple[int, int], list[str]]:
+    """A part's digests; on its failure, stop the parts not started and abort the file first,
+    so that parts waiting their turn (sequential backends) return instead of waiting on."""
+    try:
+        return fut.result()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        handle.abort()
+        raise
+
+
+def _write_part(
+    handle: WriteHandle, part: Part, sources: Sequence[ItemSource], segment: int
+) -> dict[tuple[int, int], list[str]]:
+    """Hash the part's chunk pieces and write it from views of its sources."""
     out: dict[tuple[int, int], list[str]] = {}
-    if len(task.spans) == 1:
-        span = task.spans[0]
+    buffers: list[memoryview] = []
+    for span in part.spans:
+        if span.item is None:
+            buffers += _zeros(span.nbytes)
+            continue
         data = sources[span.item].contiguous_bytes()[span.start : span.start + span.nbytes]
         mv = buffer_of(data)
         out[(span.item, span.start)] = segment_digests(mv, segment)
-        handle.write_at(task.file_offset, mv)
-        return out
-    buf = torch.zeros(task.nbytes, dtype=torch.uint8)
-    for span in task.spans:
-        pos = offsets[span.item] - task.file_offset
-        part = buf[pos : pos + span.nbytes]
-        if span.nbytes:
-            sources[span.item].copy_into(part)
-        out[(span.item, 0)] = segment_digests(buffer_of(part), segment)
-    handle.write_at(task.file_offset, buffer_of(buf))
+        buffers.append(mv)
+    handle.write_part(part.index, buffers)
     return out
+
+
+def _zeros(nbytes: int) -> list[memoryview]:
+    step = len(_ZEROS)
+    return [_ZEROS[: min(step, nbytes - i)] for i in range(0, nbytes, step)]
 
 
 def _ordered(

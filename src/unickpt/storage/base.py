@@ -1,19 +1,48 @@
-"""The storage interface: one checkpoint's files, addressed by plain names.
+"""The storage interface: a folder of named files, wherever it lives.
 
-The engine calls, in order, for a save: ``create`` (one per data file, from the writing rank),
-``WriteHandle.write_at`` (from many threads), ``WriteHandle.close`` (flushes to durable media),
-then on the coordinating rank ``write_atomic`` for the metadata and last for the commit marker,
-``sync`` and ``remove`` for debris. For a load: ``read_atomic``-written names are read with
-``read_bytes``; data with ``read_into`` from many threads.
+A :class:`Storage` addresses one folder: a checkpoint, or a Checkpointer root holding step
+folders (reached with :meth:`Storage.child`). It sees names, byte ranges and buffers; it knows
+nothing of tensors. Backends are chosen by URL scheme (:mod:`unickpt.storage.registry`).
+
+Who calls what, in order, for a save of one checkpoint folder:
+
+1. the coordinating rank: :meth:`~Storage.acquire_lock` (only writers lock; readers never do);
+2. every writing rank, once per data file: :meth:`~Storage.create` with the sizes of the
+   file's parts, then :meth:`WriteHandle.write_part` from the engine's threads (several at
+   once, any order, parts handed out in index order), then :meth:`WriteHandle.complete`, or
+   :meth:`WriteHandle.abort` on failure (possibly while other parts are still in flight);
+3. every writing rank: :meth:`~Storage.write_atomic` for its index file;
+4. the coordinating rank: ``write_atomic`` of the metadata, then of ``COMMIT`` (last), then
+   :meth:`~Storage.list_names` and :meth:`~Storage.remove` for files no checkpoint needs; then
+   the lock's release.
+
+For a load, every rank calls :meth:`~Storage.read_bytes` (commit marker, metadata, indexes),
+:meth:`~Storage.size`, then :meth:`~Storage.read_into` from many threads at once. A
+Checkpointer lists its root, reads each step folder's marker, and deletes old steps with
+:meth:`~Storage.remove` (the marker first) and :meth:`~Storage.remove_tree`.
+
+What every backend guarantees:
+
+- **Small files are atomic**: a reader of a ``write_atomic`` file sees the old content or the
+  new, never a part (a rename on file systems; a single PUT on object stores).
+- **Completed data is durable** when ``complete`` returns on backends that can promise it
+  (local: fsync of the file; ``write_atomic`` also fsyncs the folder). Backends that cannot
+  (fsspec) say so in their docstring and in docs/storage.md.
+- **Listings are read after writes**: a name written (or removed) before a listing starts is
+  (or is not) in it. Folders appear in ``list_names`` of their parent; on object stores a
+  folder exists once it holds an object.
+- **A data file is all or nothing**: after ``abort`` nothing of it is left under its name.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import accumulate
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CheckpointError
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
 
@@ -30,52 +59,153 @@ def check_name(name: str) -> str:
 
 
 class WriteHandle(ABC):
-    """An open data file being written; safe to call ``write_at`` from several threads."""
+    """One data file being written as numbered parts that tile it exactly.
+
+    Part ``i`` holds bytes ``[offsets[i], offsets[i] + part_sizes[i])``. Every part but the last
+    has at least the backend's ``min_part_bytes``; there are at most ``max_parts``. The engine
+    calls :meth:`write_part` once per part, from several threads at once, handing parts out in
+    index order (so a backend that must write in order may make a later part wait for earlier
+    ones without deadlock); then :meth:`complete` once, from one thread, after every
+    ``write_part`` returned. On failure it calls :meth:`abort`, possibly while other
+    ``write_part`` calls are in flight: those return promptly (raising), and the backend's
+    :meth:`_discard` runs once the last of them has.
+
+    Backends implement :meth:`_write_part`, :meth:`_complete` and :meth:`_discard`.
+    """
+
+    def __init__(self, location: str, part_sizes: Sequence[int], min_part_bytes: int) -> None:
+        if not part_sizes or any(n < 0 for n in part_sizes):
+            raise AssertionError(f"{location}: bad part sizes {list(part_sizes)[:8]}")
+        if any(n < min_part_bytes for n in part_sizes[:-1]):
+            raise AssertionError(f"{location}: a part below {min_part_bytes} bytes")
+        self.location = location
+        self.part_sizes = tuple(part_sizes)
+        self.offsets = (0, *accumulate(self.part_sizes))[:-1]
+        self.nbytes = sum(self.part_sizes)
+        self._cond = threading.Condition()
+        self._active = 0
+        self._aborted = False
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def write_part(self, index: int, buffers: Sequence[memoryview]) -> None:
+        """Write part ``index``: ``buffers`` in order make its bytes (valid during the call)."""
+        given = sum(b.nbytes for b in buffers)
+        if given != self.part_sizes[index]:
+            raise AssertionError(f"{self.location}: part {index} got {given} bytes")
+        with self._cond:
+            if self._aborted:
+                raise CheckpointError(f"writing {self.location} was aborted.")
+            self._active += 1
+        try:
+            self._write_part(index, [_as_bytes(b) for b in buffers])
+        finally:
+            with self._cond:
+                self._active -= 1
+                last = self._aborted and self._active == 0
+                self._cond.notify_all()
+            if last:
+                self._discard()
+
+    def complete(self) -> None:
+        """Make the file durable and visible under its name (all parts written)."""
+        try:
+            self._complete()
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Give up the file: nothing of it stays. Idempotent; safe with writes in flight."""
+        with self._cond:
+            if self._aborted:
+                return
+            self._aborted = True
+            idle = self._active == 0
+            self._cond.notify_all()
+        if idle:
+            self._discard()
 
     @abstractmethod
-    def write_at(self, offset: int, data: memoryview) -> None: ...
+    def _write_part(self, index: int, buffers: list[memoryview]) -> None: ...
 
     @abstractmethod
-    def close(self, durable: bool = True) -> None:
-        """Close the file; with ``durable`` its bytes are on stable media when this returns."""
+    def _complete(self) -> None:
+        """Finish the file; on failure raise with the file still discardable."""
+
+    @abstractmethod
+    def _discard(self) -> None:
+        """Remove whatever was written; called once, with no ``_write_part`` in flight."""
+
+
+def _as_bytes(buf: memoryview) -> memoryview:
+    return buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
 
 
 class Storage(ABC):
-    """The files of one checkpoint."""
+    """A folder of named files. Thread-safe: the engine calls it from many threads."""
+
+    min_part_bytes: int = 0
+    """The smallest part a data file may be cut into, except its last (object stores: 5 MiB)."""
+
+    max_parts: int | None = None
+    """The most parts a data file may have (S3: 10,000); parts grow to stay within it."""
 
     @property
     @abstractmethod
     def location(self) -> str:
-        """A human-readable place, for messages."""
+        """Where the folder is, as a path or URL that :func:`open_storage` opens again."""
 
     @abstractmethod
-    def create(self, name: str, nbytes: int) -> WriteHandle: ...
+    def child(self, name: str) -> Storage:
+        """The sub-folder ``name`` (created when something is written into it)."""
+
+    @abstractmethod
+    def list_names(self) -> list[str]:
+        """Names of the files and sub-folders, sorted; empty when the folder does not exist."""
+
+    @abstractmethod
+    def size(self, name: str) -> int | None:
+        """The file's size in bytes, or None when no such file exists."""
 
     @abstractmethod
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with bytes ``[offset, offset + len(out))``; a short file is corrupt."""
 
     @abstractmethod
-    def size(self, name: str) -> int | None:
-        """The file's size in bytes, or None when it does not exist."""
+    def read_bytes(self, name: str) -> bytes | None:
+        """A whole small file, or None when it does not exist."""
 
     @abstractmethod
     def write_atomic(self, name: str, data: bytes) -> None:
         """Write a whole small file so that readers see the old one or the new one, never half."""
 
     @abstractmethod
-    def read_bytes(self, name: str) -> bytes | None:
-        """A whole small file, or None when it does not exist."""
+    def create(self, name: str, part_sizes: Sequence[int]) -> WriteHandle:
+        """Start writing data file ``name`` as parts of these sizes (see :class:`WriteHandle`)."""
 
     @abstractmethod
-    def list_names(self) -> list[str]: ...
+    def remove(self, name: str) -> None:
+        """Delete file ``name``; a missing file is no error."""
 
     @abstractmethod
-    def remove(self, name: str) -> None: ...
+    def remove_tree(self, name: str) -> None:
+        """Delete sub-folder ``name`` and everything in it; a missing one is no error."""
 
     def acquire_lock(self) -> Callable[[], None]:
-        """Take the folder's writer lock; return its release. Backends without locks no-op."""
+        """Take the folder's writer lock; return its release.
+
+        Raises :class:`~unickpt.errors.CheckpointLockedError` naming the holder when another
+        writer has it. Only writers lock; readers work beside a writer. Backends that cannot
+        lock return a no-op release (and say so in their docstring).
+        """
         return lambda: None
 
+    def is_file(self) -> bool:
+        """Whether the location is a plain file rather than a folder (for error messages)."""
+        return False
+
     def close(self) -> None:  # noqa: B027 - optional hook
-        """Release cached handles."""
+        """Release cached handles; the storage stays usable."""

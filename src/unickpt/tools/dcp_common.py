@@ -8,15 +8,29 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..errors import CheckpointError
+
 METADATA_FILE = ".metadata"
 
 
 @contextmanager
-def single_process() -> Iterator[None]:
-    """Silence DCP's notice that it runs without a process group: that is the intent here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+def single_process(failure: str, kind: type[CheckpointError] = CheckpointError) -> Iterator[None]:
+    """Run DCP in this process: silence its notice that it runs without a process group (the
+    intent here), and turn its ``CheckpointException`` into the unickpt error inside it, or
+    into ``kind`` with the message ``failure`` and DCP's first error."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    except CheckpointException as e:
+        errors = [exc for exc, _ in e.failures.values()]
+        ours = next((x for x in errors if isinstance(x, CheckpointError)), None)
+        if ours is not None:
+            raise ours from e
+        first = next((f"{type(x).__name__}: {str(x).splitlines()[0]}" for x in errors), str(e))
+        raise kind(f"{failure} ({first})") from e
 
 
 def nest_by_paths(flat: dict[str, Any], paths: Any) -> dict[str, Any]:

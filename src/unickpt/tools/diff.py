@@ -20,6 +20,7 @@ from ..engine.reader import CheckpointReader
 from ..errors import UnsafeObjectError
 from ..format.dtypes import byte_view, dtype_from_name
 from ..format.values import decode_value
+from ..storage.base import Storage
 from .blocks import block_boxes
 from .inspection import short_repr
 from .progress import ProgressFn
@@ -74,8 +75,8 @@ class DiffReport:
 
 
 def diff_checkpoints(
-    a: str | os.PathLike[str],
-    b: str | os.PathLike[str],
+    a: str | os.PathLike[str] | Storage,
+    b: str | os.PathLike[str] | Storage,
     *,
     atol: float = 0.0,
     rtol: float = 0.0,

@@ -30,7 +30,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    UnsafeObjectError,
+)
+from ..storage.registry import is_local, local_path
 from .dcp_common import METADATA_FILE, nest_by_paths, single_process
 from .imports import save_imported, with_prefix
 from .output import check_distinct
@@ -82,14 +88,14 @@ def import_dcp(
     >>> import_dcp("dcp/step-100", "ckpt/step-100")  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    src_path, dst_path = Path(src), Path(dst)
-    check_distinct(src_path, dst_path)
-    with dcp_contents(src_path, dst_path, allow_pickle, group_bytes, progress) as (flat, meta):
+    src_path = Path(src)
+    check_distinct(src_path, dst)
+    with dcp_contents(src_path, dst, allow_pickle, group_bytes, progress) as (flat, meta):
         state = with_prefix(nest_by_paths(flat, meta.planner_data), prefix, src_path)
         return save_imported(
             state,
             src_path,
-            dst_path,
+            dst,
             "dcp",
             allow_pickle=allow_pickle,
             overwrite=overwrite,
@@ -100,10 +106,15 @@ def import_dcp(
 
 @contextmanager
 def dcp_contents(
-    src: Path, dst: Path, allow_pickle: bool, group_bytes: int, progress: ProgressFn | None
+    src: Path,
+    dst: str | os.PathLike[str],
+    allow_pickle: bool,
+    group_bytes: int,
+    progress: ProgressFn | None,
 ) -> Iterator[tuple[dict[str, Any], Metadata]]:
     """Every entry of the DCP folder ``src`` by its DCP key, with its metadata; tensors are
-    spooled to a scratch file beside ``dst`` that lives as long as the context."""
+    spooled to a scratch file beside a local ``dst`` (the same disk, which has room for the
+    checkpoint; the system's temporary folder for a URL) that lives as long as the context."""
     meta = read_dcp_metadata(src)
     tensors = {
         k: m for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
@@ -112,12 +123,19 @@ def dcp_contents(
         k for k, m in meta.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)
     ]
     values = _load_values(src, value_keys, allow_pickle)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{dst.name}.", dir=dst.parent) as scratch:
+    with tempfile.TemporaryDirectory(prefix=".unickpt-import.", dir=_scratch_dir(dst)) as scratch:
         spool = Spool(Path(scratch) / "tensors.bin")
         scale = _tensor_bytes(meta)
         _spool_tensors(src, tensors, spool, group_bytes, _half(progress, 0, scale))
         yield {**spool.tensors(), **values}, meta
+
+
+def _scratch_dir(dst: str | os.PathLike[str]) -> str | None:
+    if not is_local(dst):
+        return None
+    parent = Path(local_path(dst)).absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    return str(parent)
 
 
 def _tensor_bytes(meta: Metadata) -> int:
@@ -153,10 +171,14 @@ def _load_values(src: Path, keys: list[str], allow_pickle: bool) -> dict[str, An
     if not keys:
         return {}
     state: dict[str, Any] = dict.fromkeys(keys)
-    with single_process():
+    with single_process(_damaged(src), CheckpointCorruptError):
         reader = FileSystemReader(src)
         dcp.load(state, storage_reader=reader, planner=_ValuePlanner(allow_pickle), no_dist=True)
     return state
+
+
+def _damaged(src: Path) -> str:
+    return f"{src} could not be read by DCP; the checkpoint is damaged or incomplete"
 
 
 def _groups(
@@ -191,7 +213,7 @@ def _spool_tensors(
     for group in _groups(tensors, group_bytes):
         part = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in group}
         planner = DefaultLoadPlanner(allow_partial_load=True)
-        with single_process():
+        with single_process(_damaged(src), CheckpointCorruptError):
             dcp.load(part, storage_reader=FileSystemReader(src), planner=planner, no_dist=True)
         for key, tensor in part.items():
             spool.add(key, tensor)

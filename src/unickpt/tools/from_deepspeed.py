@@ -66,8 +66,8 @@ def import_deepspeed(
     >>> import_deepspeed("runs/ds", "ckpt/step-2", allow_pickle=True)  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    src_path, dst_path = Path(src), Path(dst)
-    check_distinct(src_path, dst_path)
+    src_path = Path(src)
+    check_distinct(src_path, dst)
     folder = _tag_folder(src_path)
     if (folder / "zero").is_dir():
         state = _universal(folder, allow_pickle)
@@ -76,7 +76,7 @@ def import_deepspeed(
     return save_imported(
         with_prefix(state, prefix, src_path),
         src_path,
-        dst_path,
+        dst,
         "deepspeed",
         allow_pickle=False,
         overwrite=overwrite,

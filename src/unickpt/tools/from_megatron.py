@@ -51,11 +51,11 @@ def import_megatron(
     >>> import_megatron("megatron/iter_0001000", "ckpt/1000", allow_pickle=True)  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    src_path, dst_path = Path(src), Path(dst)
-    check_distinct(src_path, dst_path)
+    src_path = Path(src)
+    check_distinct(src_path, dst)
     _check_backend(src_path)
     common = _common_state(src_path, allow_pickle)
-    with dcp_contents(src_path, dst_path, allow_pickle, group_bytes, progress) as (flat, meta):
+    with dcp_contents(src_path, dst, allow_pickle, group_bytes, progress) as (flat, meta):
         clash = sorted(set(common) & set(flat))
         if clash:
             raise CheckpointError(
@@ -66,7 +66,7 @@ def import_megatron(
         return save_imported(
             state,
             src_path,
-            dst_path,
+            dst,
             "megatron",
             allow_pickle=allow_pickle,
             overwrite=overwrite,

@@ -42,7 +42,7 @@ def import_safetensors(
     """
     t0 = time.perf_counter()
     src_path = Path(src)
-    check_distinct(src_path, Path(dst))
+    check_distinct(src_path, dst)
     with ExitStack() as stack:
         tensors: dict[str, torch.Tensor] = {}
         for file in safetensors_files(src_path):

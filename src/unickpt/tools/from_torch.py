@@ -41,7 +41,7 @@ def import_torch(
     """
     t0 = time.perf_counter()
     src_path = Path(src)
-    check_distinct(src_path, Path(dst))
+    check_distinct(src_path, dst)
     state = with_prefix(load_torch_file(src_path, allow_pickle), prefix, src_path)
     return save_imported(
         state,
@@ -71,6 +71,10 @@ def load_torch_file(path: Path, allow_pickle: bool) -> Any:
             return _load(path, allow_pickle, mmap=False)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if allow_pickle:
+            raise CheckpointError(
+                f"{path} could not be unpickled ({first}); expected a file written by torch.save."
+            ) from e
         raise CheckpointError(
             f"{path} holds objects that torch.load(weights_only=True) refuses ({first}). If you "
             "trust the file, pass --allow-pickle (allow_pickle=True)."

@@ -41,12 +41,12 @@ def save_imported(
     try:
         save(dst, state, allow_pickle=allow_pickle, overwrite=overwrite, progress=progress)
     except UnsafeObjectError as e:
-        raise UnsafeObjectError(
-            f"{src}: {e} From the command line: --allow-pickle, if you trust the source."
-        ) from e
+        hint = " From the command line: --allow-pickle, if you trust the source."
+        hint = "" if allow_pickle else hint
+        raise UnsafeObjectError(f"{src}: {e}{hint}") from e
     with CheckpointReader(dst) as reader:
         meta = reader.metadata
-        files = tuple(str(Path(dst) / f) for f in meta.files)
+        files = tuple(f"{reader.storage.location}/{f}" for f in meta.files)
         values = len(meta.objects) + len(meta.per_rank)
         return ConvertReport(
             str(src),

@@ -17,7 +17,7 @@ from ..format.metadata import Metadata
 from ..format.values import decode_value
 from ..layouts.boxes import Box
 from ..storage.base import Storage
-from ..storage.local import LocalStorage
+from ..storage.registry import open_storage
 from .datafiles import expected_file_sizes
 
 _REPR = reprlib.Repr()
@@ -105,7 +105,7 @@ def inspect_checkpoint(path: str | os.PathLike[str] | Storage) -> CheckpointSumm
     >>> s = inspect_checkpoint("ckpt/step-100")  # doctest: +SKIP
     >>> s.world_size, len(s.tensors), s.tensor_bytes  # doctest: +SKIP
     """
-    storage = path if isinstance(path, Storage) else LocalStorage(path)
+    storage = open_storage(path)
     record, meta = read_checkpoint(storage)
     return CheckpointSummary(
         path=storage.location,

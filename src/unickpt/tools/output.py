@@ -4,21 +4,78 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointExistsError
+from ..storage.base import Storage
+from ..storage.registry import is_local, local_path, open_storage
 
 log = logging.getLogger(__name__)
 
+Location = str | os.PathLike[str] | Storage
 
-def check_distinct(src: Path, dst: Path) -> None:
-    if src.resolve() == dst.resolve():
+
+def check_distinct(src: Location, dst: Location) -> None:
+    """Refuse a conversion whose source and destination are one place."""
+    if _place(src) == _place(dst):
         raise CheckpointError(
-            f"source and destination are both {src}; write the conversion to another path."
+            f"source and destination are both {_text(src)}; write the conversion to another path."
         )
+
+
+@contextmanager
+def nothing_left_on_failure(dst: Location) -> Iterator[None]:
+    """When the block fails, remove what it created at ``dst``: the files and folders that were
+    not there before, and the folders made for it (a local path's missing parents; a URL's
+    folder when it held nothing, which on object stores is the same as not existing)."""
+    storage = open_storage(dst)
+    before = set(storage.list_names())
+    new_root = _first_missing(Path(local_path(_text(dst)))) if is_local(dst) else None
+    try:
+        yield
+    except BaseException:
+        try:
+            if new_root is not None:
+                _remove_path(new_root)
+            elif not before and not is_local(dst):
+                parent, _, name = storage.location.rstrip("/").rpartition("/")
+                open_storage(parent).remove_tree(name)
+            else:
+                for name in sorted(set(storage.list_names()) - before):
+                    storage.remove(name)
+                    storage.remove_tree(name)
+        except CheckpointError as e:
+            log.warning("could not remove what a failed conversion left at %s (%s)", dst, e)
+        raise
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost of ``path`` and its parents that does not exist yet, if any."""
+    missing = None
+    path = path.absolute()
+    while not path.exists() and not path.is_symlink() and path != path.parent:
+        missing, path = path, path.parent
+    return missing
+
+
+def _remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _text(location: Location) -> str:
+    return location.location if isinstance(location, Storage) else os.fspath(location)
+
+
+def _place(location: Location) -> str:
+    text = _text(location)
+    return str(Path(local_path(text)).resolve()) if is_local(location) else text.rstrip("/")
 
 
 @contextmanager

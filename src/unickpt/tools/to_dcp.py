@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from ..engine.reader import CheckpointReader
 from ..format.dtypes import dtype_from_name
+from ..storage.base import Storage
 from .blocks import tensor_nbytes
 from .dcp_common import METADATA_FILE, single_process
 from .output import check_distinct, prepare_folder, remove_files
@@ -62,11 +63,12 @@ class _CheckpointSavePlanner(DefaultSavePlanner):
 
 
 def export_dcp(
-    src: str | os.PathLike[str],
+    src: str | os.PathLike[str] | Storage,
     dst: str | os.PathLike[str],
     *,
     only: str | None = None,
     overwrite: bool = False,
+    verify: bool = True,
     progress: ProgressFn | None = None,
 ) -> ConvertReport:
     """Write checkpoint ``src`` as a DCP folder that ``dcp.load`` reads without a process group.
@@ -75,14 +77,17 @@ def export_dcp(
     their first component; ``only`` selects a subtree), so DCP's keys are the checkpoint's
     dotted keys. Values saved with pickle are left out.
 
+    ``src`` is a checkpoint at any path or URL (or a Storage); ``verify=False`` reads it without
+    checking its checksums. ``dst`` is a local path.
+
     >>> export_dcp("ckpt/step-100", "dcp-out")  # doctest: +SKIP
     >>> import torch.distributed.checkpoint as dcp  # doctest: +SKIP
     >>> dcp.load(state, checkpoint_id="dcp-out")  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    src_path, dst_path = Path(src), Path(dst)
-    check_distinct(src_path, dst_path)
-    with CheckpointReader(src_path) as reader:
+    dst_path = Path(dst)
+    check_distinct(src, dst_path)
+    with CheckpointReader(src, verify=verify) as reader:
         selection = select_keys(reader.metadata, only)
         values, left_out = decode_values(reader, selection)
         warn_left_out(left_out, "DCP export")
@@ -99,7 +104,7 @@ def export_dcp(
         planner = _CheckpointSavePlanner(reader, keys, progress)
         files = _save_into(dst_path, state, planner, overwrite)
     return ConvertReport(
-        str(src_path),
+        reader.storage.location,
         str(dst_path),
         "dcp",
         tuple(str(f) for f in files),
@@ -121,7 +126,7 @@ def _save_into(
     scratch = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
     try:
         writer = FileSystemWriter(scratch, single_file_per_rank=False, overwrite=True)
-        with single_process():
+        with single_process(f"writing the DCP checkpoint {dst} failed"):
             dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
         remove_files(stale)
         written = sorted(scratch.iterdir(), key=lambda p: (p.name == METADATA_FILE, p.name))

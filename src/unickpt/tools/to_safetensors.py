@@ -16,6 +16,7 @@ from pathlib import Path
 from ..engine.reader import CheckpointReader
 from ..format.dtypes import dtype_from_name
 from ..layouts.boxes import Box
+from ..storage.base import Storage
 from .blocks import DEFAULT_BLOCK_BYTES, stream_tensor
 from .output import atomic_file, check_distinct, fsync_file, prepare_folder, remove_files
 from .progress import ProgressFn
@@ -39,12 +40,13 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 
 def export_safetensors(
-    src: str | os.PathLike[str],
+    src: str | os.PathLike[str] | Storage,
     dst: str | os.PathLike[str],
     *,
     only: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    verify: bool = True,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     progress: ProgressFn | None = None,
 ) -> ConvertReport:
@@ -55,12 +57,15 @@ def export_safetensors(
     shards and ``model.safetensors.index.json``. ``only="model"`` writes the ``model``
     subtree with its prefix removed. Python values are left out (safetensors holds tensors).
 
+    ``src`` is a checkpoint at any path or URL (or a Storage); ``verify=False`` reads it without
+    checking its checksums. ``dst`` is a local path.
+
     >>> export_safetensors("ckpt/step-100", "hf-out", only="model")  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    src_path, dst_path = Path(src), Path(dst)
-    check_distinct(src_path, dst_path)
-    with CheckpointReader(src_path) as reader:
+    dst_path = Path(dst)
+    check_distinct(src, dst_path)
+    with CheckpointReader(src, verify=verify) as reader:
         selection = select_keys(reader.metadata, only)
         entries, keys, left_out = _entries(reader, selection.tensors)
         left_out += [
@@ -76,7 +81,7 @@ def export_safetensors(
         else:
             files = _write_folder(writer, dst_path, entries, max_shard_bytes, overwrite)
     return ConvertReport(
-        str(src_path),
+        reader.storage.location,
         str(dst_path),
         "safetensors",
         tuple(str(f) for f in files),

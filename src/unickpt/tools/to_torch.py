@@ -21,6 +21,7 @@ import torch
 
 from ..engine.reader import CheckpointReader
 from ..format.dtypes import dtype_from_name
+from ..storage.base import Storage
 from .blocks import DEFAULT_BLOCK_BYTES, raw_bytes, stream_tensor
 from .output import atomic_file, check_distinct
 from .progress import ProgressFn
@@ -44,11 +45,12 @@ class _Fill:
 
 
 def export_torch(
-    src: str | os.PathLike[str],
+    src: str | os.PathLike[str] | Storage,
     dst: str | os.PathLike[str],
     *,
     only: str | None = None,
     overwrite: bool = False,
+    verify: bool = True,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     progress: ProgressFn | None = None,
 ) -> ConvertReport:
@@ -59,12 +61,15 @@ def export_torch(
     ``model.load_state_dict(torch.load(dst, weights_only=True))``. Values that
     ``weights_only=True`` could not read are left out with a warning.
 
+    ``src`` is a checkpoint at any path or URL (or a Storage); ``verify=False`` reads it without
+    checking its checksums. ``dst`` is a local path.
+
     >>> export_torch("ckpt/step-100", "model.pt", only="model")  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    src_path, dst_path = Path(src), Path(dst)
-    check_distinct(src_path, dst_path)
-    with CheckpointReader(src_path) as reader:
+    dst_path = Path(dst)
+    check_distinct(src, dst_path)
+    with CheckpointReader(src, verify=verify) as reader:
         selection = select_keys(reader.metadata, only)
         values, left_out = decode_values(reader, selection)
         values = _weights_only_values(values, selection.values, left_out)
@@ -76,7 +81,7 @@ def export_torch(
                 torch.save(obj, tmp)
             _fill_storages(tmp, fills, reader, block_bytes, progress, total)
     return ConvertReport(
-        str(src_path),
+        reader.storage.location,
         str(dst_path),
         "torch",
         (str(dst_path),),

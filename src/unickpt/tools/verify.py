@@ -22,7 +22,7 @@ from ..format.codec import decode_metadata
 from ..format.dtypes import dtype_from_name
 from ..format.metadata import COMMIT_FILE, ChunkMeta, Metadata
 from ..storage.base import Storage
-from ..storage.local import LocalStorage
+from ..storage.registry import open_storage
 from .datafiles import expected_file_sizes
 from .progress import ProgressFn
 
@@ -88,7 +88,7 @@ def verify_checkpoint(
     >>> report.ok, report.bytes_verified  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    storage = path if isinstance(path, Storage) else LocalStorage(path)
+    storage = open_storage(path)
     try:
         meta, meta_file, damage = _read_metadata(storage)
         if meta is None:

@@ -27,6 +27,7 @@ def test_parse_param_count() -> None:
 
 def test_parse_systems() -> None:
     assert parse_systems("dcp, torch-save,dcp") == ("dcp", "torch-save")
+    assert parse_systems("unickpt,dcp,torch") == ("unickpt", "dcp", "torch-save")
     assert parse_systems("all") == ALL_SYSTEMS
     assert parse_systems("peers") == PEER_SYSTEMS
     with pytest.raises(ValueError, match="unknown system"):

@@ -3,13 +3,14 @@ the results block of a document."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from unickpt.bench.measures import CHARTS, measure
-from unickpt.bench.report import cell, replace_results, to_markdown, write_outputs
+from unickpt.bench.report import cell, gpu_line, replace_results, to_markdown, write_outputs
 from unickpt.bench.results import (
     STATUS_NOT_INSTALLED,
     BenchReport,
@@ -76,7 +77,13 @@ def test_markdown_table() -> None:
     assert "| yes / yes |" in unickpt_row
     assert "| torchsnapshot 0.1.0 | not installed: no env |" in text
     assert "median of 3 runs" in text
-    assert "- DCP save: DCP save settings" in text
+    assert "GPU figures are missing: no GPU was available" in text
+    assert "- DCP save: DCP save settings" in text  # each system's settings, by its label
+
+
+def test_gpu_line() -> None:
+    assert "--device cuda" in gpu_line(dataclasses.replace(_INFO, gpu_available=True))
+    assert gpu_line(dataclasses.replace(_INFO, device="cuda")).startswith("State on CUDA")
 
 
 def test_outputs_one_chart_per_measure(tmp_path: Path) -> None:

@@ -11,6 +11,8 @@ from unickpt.bench.systems.registry import ALL_SYSTEMS, DEFAULT_SYSTEMS, PEER_SY
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMbBgG]?)\s*$")
 DEVICES = ("cpu", "cuda")
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
+#: Short names accepted by ``--systems`` for a system's full name.
+SYSTEM_ALIASES = {"torch": "torch-save"}
 
 
 def parse_param_count(text: str) -> int:
@@ -29,10 +31,15 @@ def parse_param_count(text: str) -> int:
 
 
 def parse_systems(text: str) -> tuple[str, ...]:
-    """Split a comma-separated list of system names; ``"all"`` and ``"default"`` expand."""
+    """Split a comma-separated list of system names; ``"all"``, ``"default"`` and ``"peers"``
+    expand, and ``"torch"`` stands for ``"torch-save"``.
+
+    >>> parse_systems("unickpt,dcp,torch")
+    ('unickpt', 'dcp', 'torch-save')
+    """
     names: list[str] = []
     for raw in text.split(","):
-        name = raw.strip()
+        name = SYSTEM_ALIASES.get(raw.strip(), raw.strip())
         if not name:
             continue
         if name == "all":
@@ -44,7 +51,7 @@ def parse_systems(text: str) -> tuple[str, ...]:
         elif name in ALL_SYSTEMS:
             names.append(name)
         else:
-            known = ", ".join(ALL_SYSTEMS)
+            known = ", ".join((*ALL_SYSTEMS, *SYSTEM_ALIASES))
             raise ValueError(f"unknown system {name!r}; choose among: {known}, all, default, peers")
     return tuple(dict.fromkeys(names))
 

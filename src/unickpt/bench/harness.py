@@ -158,6 +158,7 @@ def _report(
         seconds=time.monotonic() - started,
         repeats=config.repeats,
         device=config.device,
+        gpu_available=_cuda_available(),
     )
     return BenchReport(info, setup.hardware, tuple(rows))
 

@@ -19,6 +19,7 @@ from unickpt.bench.results import (
     BenchReport,
     Figure,
     HardwareResult,
+    RunInfo,
     SystemResult,
 )
 from unickpt.bench.systems.registry import BASELINE_SYSTEM, SYSTEMS_BY_NAME
@@ -139,6 +140,15 @@ def _setting(report: BenchReport) -> str:
     )
 
 
+def gpu_line(info: RunInfo) -> str:
+    """What the report says about GPU figures."""
+    if info.device == "cuda":
+        return "State on CUDA devices: GPU figures."
+    if info.gpu_available:
+        return "GPU figures are not in this report: it ran on CPU (`--device cuda` measures them)."
+    return "GPU figures are missing: no GPU was available on the machine of this run."
+
+
 def to_markdown(report: BenchReport) -> str:
     """The report as markdown: setting, hardware line, one table row per system, notes."""
     base = _baseline(report)
@@ -151,13 +161,15 @@ def to_markdown(report: BenchReport) -> str:
         "",
         _setting(report),
         "",
+        gpu_line(report.info),
+        "",
         *_hardware_lines(report.hardware),
         "",
         "| system | " + " | ".join(header) + " |",
         "| --- |" + " --- |" * len(header),
     ]
     lines += [_row(row, shown, ratios, base, report.hardware) for row in report.systems]
-    lines += ["", "Notes (how each system was run):"]
+    lines += ["", "Settings of each system in this run (best settings for the machine):"]
     lines += [f"- {row.label}: {row.notes}" for row in report.systems if row.notes]
     lines += [
         f"- {row.label}: {row.message}"

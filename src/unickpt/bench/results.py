@@ -205,6 +205,7 @@ class RunInfo:
     seconds: float = 0.0
     repeats: int = 1
     device: str = "cpu"
+    gpu_available: bool = False  # torch.cuda.is_available() on the machine that ran it
 
 
 @dataclass(frozen=True)

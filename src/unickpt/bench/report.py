@@ -249,6 +249,9 @@ def write_chart(report: BenchReport, chart: Chart, path: Path) -> bool:
         above = [(f.high - f.median) * scale if f else 0.0 for f in figures]
         xs = [x + (i - (len(keys) - 1) / 2) * width for x in range(len(rows))]
         ax.bar(xs, medians, width, yerr=[below, above], capsize=3, label=measure(key).short)
+        for x, f in zip(xs, figures):
+            if f is None:  # no bar of height 0 that would read as the best: say it is missing
+                ax.annotate("n/a", (x, 0), ha="center", va="bottom", fontsize=7, color="grey")
     hw = report.hardware
     if chart.hardware and hw is not None:
         what = "write + fsync" if chart.hardware == "write" else "read (warm)"

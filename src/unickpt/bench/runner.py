@@ -7,9 +7,10 @@ Definitions (per rank; :mod:`unickpt.bench.results` folds ranks together):
 * blocking: time inside the save call, plus the wait before the state may change
   (``wait_until_mutable``), plus, for systems whose next ``optimizer.step()`` waits for the save
   (zero-stall), what that step takes beyond its usual time;
-* stall: the iteration that starts with the save (call, forward, backward, step) less a plain
-  iteration just before it, each at the slowest rank (:mod:`unickpt.bench.stall`): background
-  copies and writes that compete with training for the cores count here;
+* stall: the iteration that starts with the save (call, forward, backward, step) less the
+  median of three plain iterations just before it, each at the slowest rank
+  (:mod:`unickpt.bench.stall`): background copies and writes that compete with training for
+  the cores count here;
 * durable: from the save call until the checkpoint is committed and fsynced.
 """
 
@@ -34,6 +35,8 @@ from unickpt.bench.systems.base import CheckpointSystem, SaveHandle, Unsupported
 from unickpt.bench.verify import Digest, mismatches, perturb, state_digest
 
 log = logging.getLogger(__name__)
+
+_PLAIN_ITERATIONS = 3
 
 
 @dataclass(frozen=True)
@@ -272,7 +275,8 @@ def measure_system(
         values["first_durable_s"] = _first_save(
             system, workdir / f"{system.info.name}-warmup", state
         )
-    plain_s = plain_iteration_s(state)  # the stall's reference, right before the save
+    # The stall's reference, right before the save: the median of a few plain iterations.
+    plain_s = plain_iteration_s(state, _PLAIN_ITERATIONS)
     expected = state_digest(state)
     path = workdir / system.info.name
     values.update(_save(system, path, state, base, rss_before, plain_s))

@@ -4,13 +4,15 @@ without.
 An iteration is forward, backward and ``optimizer.step()``; the one with a save starts with the
 save call (and the wait before the state may change) and ends when its step returns. Ranks step
 together, so each iteration counts at its slowest rank. The stall is the save iteration's time
-less the plain iteration's taken just before it: for a synchronous save about the save itself;
-for a background save the call, the wait inside the step, and the time the background copies
-and writes take from forward and backward by competing for the same cores. Collective: every
-rank calls these functions at the same point.
+less the plain iteration's (or the median of a few) taken just before it: for a synchronous
+save about the save itself; for a background save the call, the wait inside the step, and the
+time the background copies and writes take from forward and backward by competing for the
+same cores. Collective: every rank calls these functions at the same point.
 """
 
 from __future__ import annotations
+
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -35,10 +37,15 @@ def iteration_s(state: TrainState) -> float:
     return now() - t0
 
 
-def plain_iteration_s(state: TrainState) -> float:
-    """Collective: one iteration without a save, timed at the slowest rank."""
-    dist.barrier()
-    return slowest(iteration_s(state))
+def plain_iteration_s(state: TrainState, repeats: int = 1) -> float:
+    """Collective: an iteration without a save, timed at the slowest rank; with ``repeats``
+    above 1, the median of that many such iterations (one slow spell of a shared machine does
+    not become the reference)."""
+    times: list[float] = []
+    for _ in range(repeats):
+        dist.barrier()
+        times.append(slowest(iteration_s(state)))
+    return statistics.median(times)
 
 
 def stall_s(plain_s: float, save_iteration_s: float) -> float:

@@ -108,20 +108,32 @@ class GPT(nn.Module):
 @dataclass
 class TrainState:
     """A sharded model, its optimizer, and one training iteration split where a checkpoint
-    would sit: ``forward_backward`` then ``step``."""
+    would sit: ``forward_backward`` then ``step``.
 
-    model: GPT
+    The runner, the digest check and the perturbation before each load use only ``model``
+    (its named parameters), ``optimizer`` (its state per parameter) and these methods. Another
+    workload builds its own sharded model into a subclass that overrides ``forward_backward``
+    (its batch and loss); the default trains the GPT of this module on a fixed batch."""
+
+    model: nn.Module
     optimizer: torch.optim.Optimizer
     layout: Layout
     seq_len: int
     device: str = "cpu"
 
     def forward_backward(self) -> None:
+        model = self.model
+        if not isinstance(model, GPT):
+            raise TypeError(
+                f"{type(self).__name__} holds a {type(model).__name__}, not the GPT; a workload "
+                "with another model overrides TrainState.forward_backward"
+            )
+        vocab = model.config.vocab
         gen = torch.Generator().manual_seed(1234)
         shape = (1, self.seq_len)
-        idx = torch.randint(0, self.model.config.vocab, shape, generator=gen)
-        targets = torch.randint(0, self.model.config.vocab, shape, generator=gen)
-        self.model(idx.to(self.device), targets.to(self.device)).backward()
+        idx = torch.randint(0, vocab, shape, generator=gen)
+        targets = torch.randint(0, vocab, shape, generator=gen)
+        model(idx.to(self.device), targets.to(self.device)).backward()
 
     def step(self) -> None:
         self.optimizer.step()

@@ -1,0 +1,60 @@
+"""The /proc counters the benchmark reads: a process tree found as a full scan of /proc finds
+it, and peak memory split into intervals without stopping the sampler."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import torch
+
+from unickpt.bench.measure import PeakMemory, _scan_children, descendants
+
+_MiB = 1 << 20
+
+
+def _tree_by_scan(pid: int) -> list[int]:
+    children = _scan_children()
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        nxt = children.get(frontier.pop(), [])
+        found += nxt
+        frontier += nxt
+    return found
+
+
+def test_descendants_are_the_whole_tree() -> None:
+    # Two children, each with two children of its own (a shell running two sleeps).
+    procs = [subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30; wait"]) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 30
+        while len(descendants(os.getpid())) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        found = descendants(os.getpid())
+        assert len(found) == 6
+        assert sorted(found) == sorted(_tree_by_scan(os.getpid()))
+        assert {p.pid for p in procs} <= set(found)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _touch(mib: int) -> torch.Tensor:
+    return torch.ones(mib * _MiB, dtype=torch.uint8)  # every page written
+
+
+def test_peak_memory_split_into_intervals() -> None:
+    with PeakMemory() as memory:
+        big = _touch(96)
+        del big
+        first = memory.split()
+        small = _touch(16)
+        del small
+    # The first interval saw the 96 MiB buffer; the second, which starts at the level of the
+    # split (its peak less its extra), only the 16 MiB one.
+    level_at_split = memory.peak_bytes - memory.extra_bytes
+    assert first - level_at_split >= 90 * _MiB
+    assert 15 * _MiB <= memory.extra_bytes < 60 * _MiB

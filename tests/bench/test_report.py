@@ -76,7 +76,10 @@ def test_markdown_table() -> None:
     assert "| 0.78x |" in unickpt_row  # durable vs HW: 0.39 / 0.5
     assert "| yes / yes |" in unickpt_row
     assert "| torchsnapshot 0.1.0 | not installed: no env |" in text
-    assert "median of 3 runs" in text
+    assert "median of 3 runs" in text and "not figures to quote" not in text
+    one_run = BenchReport(dataclasses.replace(_INFO, repeats=1), _HW, _report().systems)
+    assert "median of 1 run per system" in to_markdown(one_run)
+    assert "Fewer than 3 runs: a check of the harness" in to_markdown(one_run)
     assert "GPU figures are missing: no GPU was available" in text
     assert "- DCP save: DCP save settings" in text  # each system's settings, by its label
 

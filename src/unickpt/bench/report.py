@@ -27,6 +27,8 @@ from unickpt.bench.systems.registry import BASELINE_SYSTEM, SYSTEMS_BY_NAME
 log = logging.getLogger(__name__)
 
 _MB = 1e6
+#: Runs per system below which a report says its figures are not to be quoted.
+MIN_REPEATS = 3
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,11 @@ def _setting(report: BenchReport) -> str:
         f"{info.cpu_count} CPUs; {info.started_at}. Each figure: median of {info.repeats} "
         f"run{'s' if info.repeats != 1 else ''} per system (lowest-highest in brackets), systems "
         "alternating, every run in fresh processes; ratios divide medians."
+        + (
+            ""
+            if info.repeats >= MIN_REPEATS
+            else f" Fewer than {MIN_REPEATS} runs: a check of the harness, not figures to quote."
+        )
     )
 
 

@@ -72,7 +72,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--world", type=int, default=2, help="number of ranks (default 2)")
     parser.add_argument(
-        "--systems", default="all", help="comma-separated names, or all / peers (default all)"
+        "--systems",
+        default="all",
+        help="comma-separated names (torch: torch-save), or all / peers (default all)",
     )
     parser.add_argument("--out", type=Path, default=Path("out/bench"), help="report folder")
     parser.add_argument(

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from unickpt.bench.measure import PeakMemory, _scan_children, descendants
+from unickpt.bench.measure import PeakMemory, _scan_children, descendants, tree_rss_bytes, trim_heap
 
 _MiB = 1 << 20
 
@@ -58,3 +58,12 @@ def test_peak_memory_split_into_intervals() -> None:
     level_at_split = memory.peak_bytes - memory.extra_bytes
     assert first - level_at_split >= 90 * _MiB
     assert 15 * _MiB <= memory.extra_bytes < 60 * _MiB
+
+
+def test_trim_heap_returns_freed_pages() -> None:
+    pieces = [torch.ones(64 * 1024, dtype=torch.uint8) for _ in range(4096)]  # 256 MiB
+    del pieces[::2]  # holes inside the heap: the allocator keeps them resident
+    before = tree_rss_bytes()
+    assert trim_heap()
+    assert before - tree_rss_bytes() >= 96 * _MiB  # of the 128 MiB freed
+    del pieces

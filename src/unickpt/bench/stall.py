@@ -13,6 +13,7 @@ same cores. Collective: every rank calls these functions at the same point.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,12 +38,17 @@ def iteration_s(state: TrainState) -> float:
     return now() - t0
 
 
-def plain_iteration_s(state: TrainState, repeats: int = 1) -> float:
+def plain_iteration_s(
+    state: TrainState, repeats: int = 1, prepare: Callable[[], object] | None = None
+) -> float:
     """Collective: an iteration without a save, timed at the slowest rank; with ``repeats``
     above 1, the median of that many such iterations (one slow spell of a shared machine does
-    not become the reference)."""
+    not become the reference). ``prepare`` runs before each, untimed: what the caller also
+    does before the save's iteration, so both start alike."""
     times: list[float] = []
     for _ in range(repeats):
+        if prepare is not None:
+            prepare()
         dist.barrier()
         times.append(slowest(iteration_s(state)))
     return statistics.median(times)

@@ -62,6 +62,7 @@ def test_cell_shows_median_and_range() -> None:
     assert cell(seconds, Figure(0.39, 0.37, 0.44, ())) == "0.390 (0.370-0.440)"
     assert cell(mb, Figure(1.3e9, 1.3e9, 1.3e9, ())) == "1,300"
     assert cell(mb, None) == "-"
+    assert cell(seconds, Figure(0.01, -0.02, 0.03, ())) == "0.010 (-0.020 to 0.030)"
 
 
 def test_markdown_table() -> None:

@@ -83,11 +83,14 @@ def _number(m: Measure, value: float) -> str:
 
 
 def cell(m: Measure, figure: Figure | None) -> str:
-    """``median (min-max)``, or the median alone when every run gave the same printed value."""
+    """``median (min-max)``, or the median alone when every run gave the same printed value;
+    ``min to max`` when the lowest is negative (a stall within the noise of the iterations)."""
     if figure is None:
         return "-"
     median, low, high = (_number(m, v) for v in (figure.median, figure.low, figure.high))
-    return median if low == high else f"{median} ({low}-{high})"
+    if low == high:
+        return median
+    return f"{median} ({low} to {high})" if figure.low < 0 else f"{median} ({low}-{high})"
 
 
 def _x(value: float | None) -> str:

@@ -199,9 +199,6 @@ def _set_values(plan: _Plan, comm: Comm, allow_pickle: bool) -> None:
 def files_needed(meta: Metadata, state: dict[str, Any]) -> set[str]:
     """The data files a load of ``state`` from a checkpoint with ``meta`` reads on this rank."""
     flat = flatten_state(state, for_load=True)
-    known = {
-        k: v
-        for k, v in flat.tensors.items()
-        if k in meta.tensors and tuple(meta.tensors[k].shape) == v.shape
-    }  # mismatches are reported by the load itself
-    return {r.file for r in _plan_all_reads(meta, Flattened(tensors=known))}
+    found = match_keys(meta, flat, strict=False)  # mismatches are reported by the load itself
+    plan = _Plan(meta, flat, found, SavedKeys.of(meta))
+    return {r.file for r in _plan_all_reads(plan)}

@@ -26,6 +26,7 @@ from ..errors import CheckpointExistsError
 from ..format.codec import encode_index
 from ..format.dtypes import dtype_name
 from ..format.metadata import ChunkMeta, FileRef, Metadata, TensorMeta
+from ..format.references import FileLocation
 from ..format.values import encode_value, needs_pickle
 from ..layouts.boxes import Box
 from ..planning.flatten import Flattened, flatten_state
@@ -33,7 +34,8 @@ from ..planning.save_plan import GlobalPlan, LocalPlan, TensorDecl, WriteItem, b
 from ..storage.base import Storage
 from .checksum import digest
 from .commit import commit, data_name, index_name, read_commit
-from .write import ItemSource, write_file
+from .incremental import IncrementalSave, hash_items, relaid
+from .write import ItemSource, WriteResult, write_file
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ class PreparedSave:
     per_rank: dict[str, Any]
     plan_cached: bool
     release: Callable[[], None] | None = None
+    incremental: IncrementalSave | None = None
+    """Set by a Checkpointer with ``incremental=True``: skip chunks its last save stored."""
 
     @property
     def nbytes(self) -> int:
@@ -164,7 +168,8 @@ def write_and_commit(
     except Exception as e:  # noqa: BLE001 - reported to every rank
         failure, caught = failure_of(comm.rank, e), e
     write_s = time.perf_counter() - t0
-    payload = (failure, ref, prep.per_rank)
+    steps = prep.incremental.referenced_steps if prep.incremental else ()
+    payload = (failure, ref, prep.per_rank, steps)
     outcome: list[RankFailure | None] = [failure]
     try:
         gathered = comm.gather(payload)
@@ -183,6 +188,8 @@ def write_and_commit(
             prep.release()
     outcome = comm.broadcast(outcome)
     raise_failures(comm, "saving", outcome, caught)
+    if prep.incremental is not None:
+        prep.incremental.adopt()
     total = ref.nbytes if ref else 0
     return SaveReport(total, write_s, time.perf_counter() - t0 - write_s, prep.plan_cached)
 
@@ -196,19 +203,72 @@ def _write_rank_files(
 ) -> FileRef:
     """This rank's data file, then its index (chunks and checksums); both durable."""
     name = data_name(prep.save_id, prep.comm.rank)
-    result = write_file(storage, name, prep.items, sources, config, progress)
-    entries = [
-        (i.key, ChunkMeta(i.box.offsets, i.box.lengths, 0, i.byte_offset, i.nbytes, sums))
-        for i, sums in zip(prep.items, result.checksums)
-    ]
-    raw = encode_index(name, entries)
+    inc = prep.incremental
+    refs: list[FileLocation] = []
+    if inc is None or inc.full:
+        result = write_file(storage, name, prep.items, sources, config, progress)
+        entries = [
+            (i.key, ChunkMeta(i.box.offsets, i.box.lengths, 0, i.byte_offset, i.nbytes, sums))
+            for i, sums in zip(prep.items, result.checksums)
+        ]
+    else:
+        result, entries, refs = _write_changed(prep, inc, storage, name, sources, config, progress)
+    if inc is not None:
+        inc.record(name, entries, refs)
+    raw = encode_index(name, entries, refs)
     index = index_name(prep.save_id, prep.comm.rank)
     storage.write_atomic(index, raw)
     return FileRef(name, result.nbytes, index, len(raw), digest(memoryview(raw)))
 
 
+def _write_changed(
+    prep: PreparedSave,
+    inc: IncrementalSave,
+    storage: Storage,
+    name: str,
+    sources: list[ItemSource],
+    config: Config,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[WriteResult, list[tuple[str, ChunkMeta]], list[FileLocation]]:
+    """Hash every item, write the changed ones back to back, refer to the others."""
+    items = prep.items
+    digests = hash_items(
+        sources, [i.nbytes for i in items], config.segment_bytes, config.io_threads
+    )
+    write, same = inc.split(items, digests)
+    laid = relaid([items[i] for i in write])
+    result = write_file(
+        storage,
+        name,
+        laid,
+        [sources[i] for i in write],
+        config,
+        progress,
+        [digests[i] for i in write],
+    )
+    chunks: dict[int, ChunkMeta] = {}
+    for i, it, sums in zip(write, laid, result.checksums):
+        chunks[i] = ChunkMeta(it.box.offsets, it.box.lengths, 0, it.byte_offset, it.nbytes, sums)
+    refs = sorted({stored.location for _, stored in same})
+    number = {loc: n + 1 for n, loc in enumerate(refs)}
+    for i, stored in same:
+        box = items[i].box
+        chunks[i] = ChunkMeta(
+            box.offsets,
+            box.lengths,
+            number[stored.location],
+            stored.byte_offset,
+            stored.nbytes,
+            stored.checksums,
+        )
+    entries = [(it.key, chunks[i]) for i, it in enumerate(items)]
+    log.debug("incremental save: %d chunks written, %d referred to", len(write), len(same))
+    return result, entries, refs
+
+
 def _metadata(prep: PreparedSave, gathered: list[Any], config: Config) -> Metadata:
     refs = tuple(g[1] for g in gathered if g[1] is not None)
+    referenced = tuple(sorted({s for g in gathered for s in g[3]}))
     tensors = {
         k: TensorMeta(dtype, shape, layout, ())
         for k, (dtype, shape, layout) in prep.plan.tensors.items()
@@ -227,6 +287,7 @@ def _metadata(prep: PreparedSave, gathered: list[Any], config: Config) -> Metada
         producer={"unickpt": __version__, "torch": torch.__version__},
         pickled_keys=tuple(sorted(pickled)),
         file_refs=refs,
+        references=referenced,
     )
 
 

@@ -1,9 +1,10 @@
 """The metadata of a checkpoint: what each tensor is, where its chunks lie, their checksums.
 
-Version 1. See docs/format.md for the byte-level description. On disk the global metadata holds
-tensors, values and files; each writing rank's chunks live in that rank's index file, so the
-coordinator's work per save grows with tensors plus ranks, never with their product. Everything
-here is plain data: frozen dataclasses, encoded as JSON by :mod:`unickpt.format.codec`.
+Version 2 (version 1 is read as well). See docs/format.md for the byte-level description. On
+disk the global metadata holds tensors, values and files; each writing rank's chunks live in
+that rank's index file, so the coordinator's work per save grows with tensors plus ranks, never
+with their product. Everything here is plain data: frozen dataclasses, encoded as JSON by
+:mod:`unickpt.format.codec`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from ..layouts.boxes import Box
 
 FORMAT_NAME = "unickpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 COMMIT_FILE = "COMMIT"
 CHECKSUM_ALGORITHM = "xxh3_64"
 
@@ -77,6 +78,10 @@ class Metadata:
     producer: dict[str, str] = field(default_factory=dict)
     pickled_keys: tuple[str, ...] = ()
     file_refs: tuple[FileRef, ...] = ()
+    references: tuple[str, ...] = ()
+    """Step folders (beside this checkpoint's) whose data files hold some of its chunks; the
+    chunks that lie there name those files in ``files`` as ``../<step folder>/<data file>``
+    (see :mod:`unickpt.format.references`). Empty for a self-contained checkpoint."""
 
     @property
     def total_bytes(self) -> int:

@@ -180,11 +180,9 @@ class Checkpointer:
         if self._comm.is_coordinator:
             self._remove_debris(keep=step)
         target = self._step(step)
-        inc = (
-            self._basis.next_save(step_name(step), self.config.segment_bytes)
-            if self._basis
-            else None
-        )
+        inc = None
+        if self._basis is not None:
+            inc = self._basis.next_save(step_name(step), self.config.segment_bytes, self._committed)
         if not self.async_save:
             report = api.save(
                 target, state, group=self.group, overwrite=True, config=self.config, incremental=inc
@@ -202,6 +200,9 @@ class Checkpointer:
             incremental=inc,
         )
         return self._pending
+
+    def _committed(self, name: str) -> bool:
+        return self.storage.child(name).size(COMMIT_FILE) is not None
 
     def _lock(self) -> None:
         """Take the root's writer lock on the coordinator; every rank learns the outcome."""

@@ -21,7 +21,7 @@ CPU memory is copied once for hashing and again for writing, as the write path d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -60,15 +60,25 @@ class Basis:
         self.segment_bytes = 0
         self.since_full = 0
 
-    def next_save(self, step: str, segment_bytes: int) -> IncrementalSave:
-        """The save of step folder ``step``: full when the chain is due for compaction."""
+    def next_save(
+        self, step: str, segment_bytes: int, committed: Callable[[str], bool]
+    ) -> IncrementalSave:
+        """The save of step folder ``step``: full when the chain is due for compaction.
+
+        Chunks stored in a step folder that ``committed`` denies (deleted, uncommitted by a
+        failed load's clean-up) or in ``step`` itself (being replaced) are written again.
+        """
         full = (
             not self.chunks
             or segment_bytes != self.segment_bytes
             or self.since_full + 1 >= self.full_every
         )
-        known = {} if full else {k: c for k, c in self.chunks.items() if c.location.step != step}
-        return IncrementalSave(self, step, full, known, segment_bytes)
+        if full:
+            return IncrementalSave(self, step, True, {}, segment_bytes)
+        steps = {c.location.step for c in self.chunks.values()} - {step}
+        alive = {s for s in steps if committed(s)}
+        known = {k: c for k, c in self.chunks.items() if c.location.step in alive}
+        return IncrementalSave(self, step, False, known, segment_bytes)
 
 
 @dataclass

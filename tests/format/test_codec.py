@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -15,6 +16,7 @@ from unickpt.format.codec import (
     encode_metadata,
 )
 from unickpt.format.metadata import ChunkMeta, CommitRecord, FileRef, Metadata, TensorMeta
+from unickpt.format.references import FileLocation, FileTable, parse_reference
 from unickpt.format.values import decode_value, encode_value
 
 
@@ -70,3 +72,27 @@ def test_values_roundtrip_and_refuse_pickle() -> None:
         decode_value(enc, "k", allow_pickle=False)
     with pytest.raises(CheckpointCorruptError, match="unknown tag"):
         decode_value({"$nope": 1}, "k", allow_pickle=False)
+
+
+def test_index_references_roundtrip() -> None:
+    own = ChunkMeta((0, 0), (2, 2), 0, 0, 16, ("aa",))
+    ref = ChunkMeta((2, 0), (2, 2), 1, 4096, 16, ("bb",))
+    where = FileLocation("step-000000100", "data-cd-00000.bin")
+    raw = encode_index("data-ab-00000.bin", [("w", own), ("w", ref)], [where])
+    table = FileTable(["data-ab-00000.bin", "data-ab-00001.bin"])
+    entries = decode_index(raw, "i", 1, table)
+    assert [c.file for _, c in entries] == [1, 2]
+    assert entries[1][1].byte_offset == 4096 and entries[1][1].checksums == ("bb",)
+    assert table.names()[2] == "../step-000000100/data-cd-00000.bin"
+    assert parse_reference(table.names()[2]) == where and parse_reference("data-x.bin") is None
+    with pytest.raises(CheckpointCorruptError, match="read it with its refs"):
+        decode_index(raw, "i", 0)
+    doc = json.loads(raw)
+    doc["chunks"][1][6] = 5
+    with pytest.raises(CheckpointCorruptError, match="not one of the index's 1 refs"):
+        decode_index(json.dumps(doc).encode(), "i", 0, table)
+    with pytest.raises(CheckpointCorruptError, match="neither a plain file name"):
+        parse_reference("../step-1")
+    meta = replace(_meta(), references=("step-000000100",))
+    assert decode_metadata(encode_metadata(meta), "m").references == ("step-000000100",)
+    assert "references" not in json.loads(encode_metadata(_meta()))

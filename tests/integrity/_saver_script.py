@@ -6,8 +6,10 @@ JSON command per line on stdin and answers one JSON line on stdout:
 - ``{"cmd": "run", "mode": M, "root": R, "report": F, "start": N, "seed": S}`` forks a worker
   that saves steps ``N, N + 1, ...`` and answers ``{"pid": P}``. ``M`` is ``"sync"`` or
   ``"async"`` (a :class:`unickpt.Checkpointer` on root ``R``), ``"single"`` (``unickpt.save``
-  into folder ``R`` with ``overwrite=True``) or ``"hold"`` (a Checkpointer on ``R`` saves step
-  ``N``, which takes the root's lock, reports ``locked`` and sleeps). After each committed
+  into folder ``R`` with ``overwrite=True``), ``"incr-sync"`` or ``"incr-async"`` (the same
+  with ``incremental=True``: a frozen tensor is referred to, not written again) or
+  ``"hold"`` (a Checkpointer on ``R`` saves step ``N``, which takes the root's lock, reports
+  ``locked`` and sleeps). After each committed
   save the worker appends ``committed N`` to ``F``.
 - ``{"cmd": "reap", "pid": P}`` waits for worker ``P`` and answers
   ``{"pid": P, "signal": SIG, "code": CODE}``.
@@ -34,6 +36,24 @@ import torch
 import unickpt
 
 KEEP_LAST = 3
+FULL_EVERY = 3
+INCREMENTAL = ("incr-sync", "incr-async")
+FROZEN_NUMEL = 600_000  # a frozen tensor of a few checksum segments, never written twice
+
+
+def frozen_values() -> torch.Tensor:
+    return (torch.arange(FROZEN_NUMEL, dtype=torch.int64) % 9973).to(torch.float32)
+
+
+def open_root(root: str, mode: str) -> unickpt.Checkpointer:
+    """The Checkpointer a worker of ``mode`` saves with (and the test checks with)."""
+    return unickpt.Checkpointer(
+        root,
+        keep_last=KEEP_LAST,
+        async_save=mode in ("async", "incr-async"),
+        incremental=mode in INCREMENTAL,
+        full_every=FULL_EVERY,
+    )
 
 
 def build_state() -> dict[str, Any]:
@@ -47,7 +67,7 @@ def build_state() -> dict[str, Any]:
         p.grad = torch.zeros_like(p)
     opt.step()
     progress = {"step": -1, "tag": "none", "t": torch.zeros(4, dtype=torch.int64)}
-    return {"model": model, "optim": opt, "progress": progress}
+    return {"model": model, "optim": opt, "progress": progress, "frozen": frozen_values()}
 
 
 def named_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -89,6 +109,8 @@ def check_step(state: dict[str, Any]) -> tuple[int, list[str]]:
     ]
     if state["progress"]["tag"] != f"step-{step}":
         wrong.append(f"progress.tag={state['progress']['tag']!r}")
+    if not torch.equal(state["frozen"], frozen_values()):
+        wrong.append("frozen")
     return step, wrong
 
 
@@ -108,7 +130,7 @@ def _work(mode: str, root: str, report: str, start: int, seed: int) -> None:
             unickpt.save(root, state, overwrite=True)
             _report(fd, f"committed {step}")
             step += 1
-    ckpt = unickpt.Checkpointer(root, keep_last=KEEP_LAST, async_save=mode == "async")
+    ckpt = open_root(root, mode)
     if mode == "hold":  # a writer: its first save takes the root's lock
         set_step(state, start)
         ckpt.save(start, state).wait()

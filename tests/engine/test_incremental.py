@@ -13,6 +13,7 @@ from torch import nn
 
 import unickpt
 from tests.distributed import run_ranks
+from unickpt.cli.main import main
 from unickpt.demo.model import GPT, GPTConfig
 from unickpt.engine.checksum import digest
 from unickpt.tools.convert import ConvertOptions, export_checkpoint
@@ -129,11 +130,14 @@ def test_compaction_and_retention_keep_what_is_referred_to(tmp_path: Path) -> No
     ckpt.close()
 
 
-def test_missing_or_damaged_referenced_step(tmp_path: Path) -> None:
+def test_missing_or_damaged_referenced_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     frozen = torch.arange(300_000, dtype=torch.float32)
     ckpt = unickpt.Checkpointer(tmp_path, incremental=True, async_save=False)
     for step in range(3):
         ckpt.save(step, _state(frozen, step))
+    assert main(["verify", ckpt.path(2)]) == 0
     data = next(Path(ckpt.path(0)).glob("data-*.bin"))
     raw = bytearray(data.read_bytes())
     raw[100] ^= 0x5A
@@ -146,6 +150,9 @@ def test_missing_or_damaged_referenced_step(tmp_path: Path) -> None:
     )
     with pytest.raises(unickpt.CheckpointCorruptError, match="checksum mismatch"):
         unickpt.load(ckpt.path(2), _state(torch.zeros_like(frozen), -1))
+    capsys.readouterr()
+    assert main(["verify", ckpt.path(2)]) == 1
+    assert f"checksum mismatch in ../step-000000000/{data.name}" in capsys.readouterr().out
 
     (Path(ckpt.path(0)) / "COMMIT").unlink()
     dest = _state(torch.zeros_like(frozen), -1)

@@ -138,6 +138,8 @@ def test_missing_or_damaged_referenced_step(
     for step in range(3):
         ckpt.save(step, _state(frozen, step))
     assert main(["verify", ckpt.path(2)]) == 0
+    assert main(["inspect", ckpt.path(2)]) == 0
+    assert "refers to   step-000000000" in capsys.readouterr().out
     data = next(Path(ckpt.path(0)).glob("data-*.bin"))
     raw = bytearray(data.read_bytes())
     raw[100] ^= 0x5A

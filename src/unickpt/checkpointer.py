@@ -13,7 +13,7 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import api
@@ -120,7 +120,9 @@ class Checkpointer:
     Checkpointer, is full. Worth it when much of the state stays the same between saves; in
     full training, where every tensor changes, it only adds hashing before the write. Retention
     keeps every step that a kept checkpoint refers to (``steps()`` lists them; they are deleted
-    once no kept checkpoint refers to them).
+    once no kept checkpoint refers to them). ``row_deltas`` takes patterns of keys
+    (``fnmatch``, e.g. ``["model.tables.*", "optim.state.tables.*"]``) of embedding tables: of
+    those, only the rows that changed are written.
     """
 
     def __init__(
@@ -134,11 +136,14 @@ class Checkpointer:
         config: Config | None = None,
         incremental: bool = False,
         full_every: int = 8,
+        row_deltas: Sequence[str] = (),
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last is {keep_last}; expected None or at least 1.")
         if full_every < 1:
             raise CheckpointError(f"full_every is {full_every}; expected at least 1.")
+        if row_deltas and not incremental:
+            raise CheckpointError("row_deltas needs incremental=True; pass both.")
         self.storage = open_storage(root)
         self.keep_last = keep_last
         self.group = group
@@ -148,7 +153,7 @@ class Checkpointer:
         self._comm = Comm(group, self.config.collective_timeout_s)
         self._pending: SaveFuture | None = None
         self._release: Callable[[], None] | None = None
-        self._basis = Basis(full_every) if incremental else None
+        self._basis = Basis(full_every, row_deltas) if incremental else None
 
     @property
     def root(self) -> str:

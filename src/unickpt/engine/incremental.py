@@ -24,6 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+import torch
 
 from ..format.dtypes import buffer_of
 from ..format.metadata import ChunkMeta
@@ -31,6 +34,14 @@ from ..format.references import FileLocation
 from ..layouts.boxes import Box
 from ..planning.save_plan import CHUNK_ALIGN, WriteItem
 from .checksum import segment_digests
+from .row_deltas import (
+    MAX_CHANGED_FRACTION,
+    MIN_ROWS_PER_PIECE,
+    changed_runs,
+    row_checksums,
+    row_digests,
+    sub_box,
+)
 from .write import ItemSource
 
 _HASH_PIECE_SEGMENTS = 64
@@ -49,16 +60,38 @@ class StoredChunk:
 _Chunks = dict[tuple[str, Box], StoredChunk]
 
 
-class Basis:
-    """What one rank of a Checkpointer saved last; decides each save's kind (full or not)."""
+@dataclass(frozen=True)
+class StoredRows:
+    """A table saved as row pieces: rows ``[start, stop)`` lie in each piece's chunk, and the
+    digest of every row (:func:`~unickpt.engine.row_deltas.row_digests`) at that save."""
 
-    def __init__(self, full_every: int) -> None:
+    pieces: tuple[tuple[int, int, StoredChunk], ...]
+    digests: torch.Tensor
+
+
+class Basis:
+    """What one rank of a Checkpointer saved last; decides each save's kind (full or not).
+
+    Keys matching one of ``row_patterns`` (:func:`fnmatch.fnmatchcase`) whose chunks are 2-D
+    are compared row by row (:mod:`unickpt.engine.row_deltas`).
+    """
+
+    def __init__(self, full_every: int, row_patterns: Sequence[str] = ()) -> None:
         if full_every < 1:
             raise ValueError(f"full_every is {full_every}; expected at least 1")
         self.full_every = full_every
+        self.row_patterns = tuple(row_patterns)
         self.chunks: _Chunks = {}
+        self.rows: dict[tuple[str, Box], StoredRows] = {}
         self.segment_bytes = 0
         self.since_full = 0
+
+    def tracks_rows(self, item: WriteItem) -> bool:
+        return (
+            item.box.ndim == 2
+            and item.box.lengths[0] > 1
+            and any(fnmatchcase(item.key, p) for p in self.row_patterns)
+        )
 
     def next_save(
         self, step: str, segment_bytes: int, committed: Callable[[str], bool]
@@ -69,16 +102,22 @@ class Basis:
         failed load's clean-up) or in ``step`` itself (being replaced) are written again.
         """
         full = (
-            not self.chunks
+            not (self.chunks or self.rows)
             or segment_bytes != self.segment_bytes
             or self.since_full + 1 >= self.full_every
         )
         if full:
-            return IncrementalSave(self, step, True, {}, segment_bytes)
-        steps = {c.location.step for c in self.chunks.values()} - {step}
-        alive = {s for s in steps if committed(s)}
+            return IncrementalSave(self, step, True, {}, {}, segment_bytes)
+        steps = {c.location.step for c in self.chunks.values()}
+        steps |= {c.location.step for r in self.rows.values() for _, _, c in r.pieces}
+        alive = {s for s in steps - {step} if committed(s)}
         known = {k: c for k, c in self.chunks.items() if c.location.step in alive}
-        return IncrementalSave(self, step, False, known, segment_bytes)
+        rows = {
+            k: r
+            for k, r in self.rows.items()
+            if all(c.location.step in alive for _, _, c in r.pieces)
+        }
+        return IncrementalSave(self, step, False, known, rows, segment_bytes)
 
 
 @dataclass
@@ -89,42 +128,129 @@ class IncrementalSave:
     step: str
     full: bool
     known: _Chunks
+    known_rows: dict[tuple[str, Box], StoredRows]
     segment_bytes: int
     written: _Chunks = field(default_factory=dict)
+    written_rows: dict[tuple[str, Box], StoredRows] = field(default_factory=dict)
     referenced_steps: tuple[str, ...] = ()
 
-    def split(
-        self, items: Sequence[WriteItem], digests: Sequence[tuple[str, ...]]
-    ) -> tuple[list[int], list[tuple[int, StoredChunk]]]:
-        """Indexes of the items to write, and the items whose bytes are stored already."""
-        write: list[int] = []
-        same: list[tuple[int, StoredChunk]] = []
-        for i, (item, sums) in enumerate(zip(items, digests)):
-            stored = self.known.get((item.key, item.box))
-            if stored is not None and stored.nbytes == item.nbytes and stored.checksums == sums:
-                same.append((i, stored))
-            else:
-                write.append(i)
-        return write, same
+    def plan(
+        self, items: Sequence[WriteItem], sources: Sequence[ItemSource], threads: int
+    ) -> list[list[Piece]]:
+        """Each item as pieces: to write (with their checksums) or stored already."""
+        seg = self.segment_bytes
+        rowwise = [i for i, it in enumerate(items) if self.basis.tracks_rows(it)]
+        plain = [i for i in range(len(items)) if i not in set(rowwise)]
+        sums = hash_items(
+            [sources[i] for i in plain], [items[i].nbytes for i in plain], seg, threads
+        )
+        out: list[list[Piece]] = [[] for _ in items]
+        for i, digests in zip(plain, sums):
+            it = items[i]
+            stored = self.known.get((it.key, it.box))
+            same = stored is not None and stored.nbytes == it.nbytes and stored.checksums == digests
+            out[i] = [Piece(it.box, stored if same else None, sources[i], digests)]
+        for i in rowwise:
+            out[i] = self._row_pieces(items[i], sources[i])
+        return out
+
+    def _row_pieces(self, item: WriteItem, source: ItemSource) -> list[Piece]:
+        rows = item.box.lengths[0]
+        data = source.contiguous_bytes()
+        digests = row_digests(data, rows)
+        self.written_rows[(item.key, item.box)] = StoredRows((), digests)
+        before = self.known_rows.get((item.key, item.box))
+        row_bytes = item.nbytes // rows
+        pieces: list[Piece] = []
+        if before is not None and before.digests.shape == digests.shape:
+            changed = digests != before.digests
+            if int(changed.sum()) <= MAX_CHANGED_FRACTION * rows:
+                pieces = self._pieces(item, source, data, row_bytes, changed, before)
+        if not pieces or len(pieces) * MIN_ROWS_PER_PIECE > rows:
+            sums = tuple(segment_digests(buffer_of(data), self.segment_bytes))
+            return [Piece(item.box, None, source, sums)]
+        return pieces
+
+    def _pieces(
+        self,
+        item: WriteItem,
+        source: ItemSource,
+        data: torch.Tensor,
+        row_bytes: int,
+        changed: torch.Tensor,
+        before: StoredRows,
+    ) -> list[Piece]:
+        seg = self.segment_bytes
+        out = []
+        for a, b, is_changed in changed_runs(changed):
+            if is_changed:
+                sums = row_checksums(data, row_bytes, a, b, seg)
+                out.append(Piece(sub_box(item.box, a, b), None, rows_of(source, a, b), sums))
+                continue
+            for p0, p1, stored in before.pieces:
+                lo, hi = max(a, p0), min(b, p1)
+                if lo >= hi:
+                    continue
+                if (lo, hi) != (p0, p1):
+                    offset = stored.byte_offset + (lo - p0) * row_bytes
+                    sums = row_checksums(data, row_bytes, lo, hi, seg)
+                    stored = StoredChunk(stored.location, offset, (hi - lo) * row_bytes, sums)
+                out.append(Piece(sub_box(item.box, lo, hi), stored, None, stored.checksums))
+        return out
+
+    def digest_rows(self, items: Sequence[WriteItem], sources: Sequence[ItemSource]) -> None:
+        """A full save: the row digests of the tables, for the next save to compare with."""
+        for it, src in zip(items, sources):
+            if self.basis.tracks_rows(it):
+                digests = row_digests(src.contiguous_bytes(), it.box.lengths[0])
+                self.written_rows[(it.key, it.box)] = StoredRows((), digests)
 
     def record(
-        self, data_file: str, entries: Sequence[tuple[str, ChunkMeta]], refs: Sequence[FileLocation]
+        self,
+        data_file: str,
+        items: Sequence[WriteItem],
+        chunks: Sequence[Sequence[ChunkMeta]],
+        refs: Sequence[FileLocation],
     ) -> None:
         """Remember where this save's chunks lie (adopted by :meth:`adopt` once committed)."""
         own = FileLocation(self.step, data_file)
-        self.written = {
-            (key, c.box): StoredChunk(
-                refs[c.file - 1] if c.file else own, c.byte_offset, c.nbytes, c.checksums
+
+        def stored(c: ChunkMeta) -> StoredChunk:
+            where = refs[c.file - 1] if c.file else own
+            return StoredChunk(where, c.byte_offset, c.nbytes, c.checksums)
+
+        for it, cs in zip(items, chunks):
+            key = (it.key, it.box)
+            digests = self.written_rows.get(key)
+            if digests is None:
+                self.written[key] = stored(cs[0])
+                continue
+            first = it.box.offsets[0]
+            pieces = tuple(
+                (c.offsets[0] - first, c.offsets[0] - first + c.lengths[0], stored(c)) for c in cs
             )
-            for key, c in entries
-        }
+            self.written_rows[key] = StoredRows(pieces, digests.digests)
         self.referenced_steps = tuple(sorted({r.step for r in refs}))
 
     def adopt(self) -> None:
         """The save is committed: later saves compare against it."""
         b = self.basis
-        b.chunks, b.segment_bytes = self.written, self.segment_bytes
+        b.chunks, b.rows, b.segment_bytes = self.written, self.written_rows, self.segment_bytes
         b.since_full = b.since_full + 1 if self.referenced_steps else 0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of an item: ``stored`` already (referred to) or written from ``source``."""
+
+    box: Box
+    stored: StoredChunk | None
+    source: ItemSource | None
+    checksums: tuple[str, ...]
+
+
+def rows_of(source: ItemSource, start: int, stop: int) -> ItemSource:
+    return ItemSource(source.view[start:stop])
 
 
 def relaid(items: Sequence[WriteItem]) -> tuple[WriteItem, ...]:

@@ -34,7 +34,7 @@ from ..planning.save_plan import GlobalPlan, LocalPlan, TensorDecl, WriteItem, b
 from ..storage.base import Storage
 from .checksum import digest
 from .commit import commit, data_name, index_name, read_commit
-from .incremental import IncrementalSave, hash_items, relaid
+from .incremental import IncrementalSave, Piece, relaid
 from .write import ItemSource, WriteResult, write_file
 
 log = logging.getLogger(__name__)
@@ -206,15 +206,18 @@ def _write_rank_files(
     inc = prep.incremental
     refs: list[FileLocation] = []
     if inc is None or inc.full:
+        if inc is not None:
+            inc.digest_rows(prep.items, sources)
         result = write_file(storage, name, prep.items, sources, config, progress)
-        entries = [
-            (i.key, ChunkMeta(i.box.offsets, i.box.lengths, 0, i.byte_offset, i.nbytes, sums))
+        chunks = [
+            [ChunkMeta(i.box.offsets, i.box.lengths, 0, i.byte_offset, i.nbytes, sums)]
             for i, sums in zip(prep.items, result.checksums)
         ]
     else:
-        result, entries, refs = _write_changed(prep, inc, storage, name, sources, config, progress)
+        result, chunks, refs = _write_changed(prep, inc, storage, name, sources, config, progress)
     if inc is not None:
-        inc.record(name, entries, refs)
+        inc.record(name, prep.items, chunks, refs)
+    entries = [(it.key, c) for it, cs in zip(prep.items, chunks) for c in cs]
     raw = encode_index(name, entries, refs)
     index = index_name(prep.save_id, prep.comm.rank)
     storage.write_atomic(index, raw)
@@ -229,41 +232,53 @@ def _write_changed(
     sources: list[ItemSource],
     config: Config,
     progress: Callable[[int, int], None] | None,
-) -> tuple[WriteResult, list[tuple[str, ChunkMeta]], list[FileLocation]]:
-    """Hash every item, write the changed ones back to back, refer to the others."""
-    items = prep.items
-    digests = hash_items(
-        sources, [i.nbytes for i in items], config.segment_bytes, config.io_threads
-    )
-    write, same = inc.split(items, digests)
-    laid = relaid([items[i] for i in write])
+) -> tuple[WriteResult, list[list[ChunkMeta]], list[FileLocation]]:
+    """Hash every item, write the changed pieces back to back, refer to the others."""
+    pieces = inc.plan(prep.items, sources, config.io_threads)
+    writes = [p for ps in pieces for p in ps if p.stored is None]
+    laid = relaid([WriteItem("", p.box, 0, _nbytes(p)) for p in writes])
+    write_sources = [p.source for p in writes if p.source is not None]
     result = write_file(
-        storage,
-        name,
-        laid,
-        [sources[i] for i in write],
-        config,
-        progress,
-        [digests[i] for i in write],
+        storage, name, laid, write_sources, config, progress, [p.checksums for p in writes]
     )
-    chunks: dict[int, ChunkMeta] = {}
-    for i, it, sums in zip(write, laid, result.checksums):
-        chunks[i] = ChunkMeta(it.box.offsets, it.box.lengths, 0, it.byte_offset, it.nbytes, sums)
-    refs = sorted({stored.location for _, stored in same})
+    refs = sorted({p.stored.location for ps in pieces for p in ps if p.stored is not None})
     number = {loc: n + 1 for n, loc in enumerate(refs)}
-    for i, stored in same:
-        box = items[i].box
-        chunks[i] = ChunkMeta(
-            box.offsets,
-            box.lengths,
-            number[stored.location],
-            stored.byte_offset,
-            stored.nbytes,
-            stored.checksums,
-        )
-    entries = [(it.key, chunks[i]) for i, it in enumerate(items)]
-    log.debug("incremental save: %d chunks written, %d referred to", len(write), len(same))
-    return result, entries, refs
+    at = iter(laid)
+    chunks: list[list[ChunkMeta]] = []
+    for ps in pieces:
+        out = []
+        for p in ps:
+            if p.stored is None:
+                it = next(at)
+                out.append(
+                    ChunkMeta(
+                        p.box.offsets, p.box.lengths, 0, it.byte_offset, it.nbytes, p.checksums
+                    )
+                )
+            else:
+                s = p.stored
+                out.append(
+                    ChunkMeta(
+                        p.box.offsets,
+                        p.box.lengths,
+                        number[s.location],
+                        s.byte_offset,
+                        s.nbytes,
+                        s.checksums,
+                    )
+                )
+        chunks.append(out)
+    log.debug(
+        "incremental save: %d pieces written, %d referred to",
+        len(writes),
+        sum(map(len, pieces)) - len(writes),
+    )
+    return result, chunks, refs
+
+
+def _nbytes(p: Piece) -> int:
+    assert p.source is not None
+    return p.source.view.numel() * p.source.view.element_size()
 
 
 def _metadata(prep: PreparedSave, gathered: list[Any], config: Config) -> Metadata:

@@ -7,6 +7,9 @@ Three fine-tunes of the demo GPT, each saved every few optimizer steps by a Chec
 - ``frozen-half``: the embeddings and the first half of the blocks frozen, the rest trained;
 - ``full``: every parameter trained (incremental saves then write everything, plus hashing).
 
+and an embedding workload (``--tables``): a few large tables trained with sparse Adagrad on
+Zipf-distributed ids, saved with ``row_deltas`` (changed rows only) against full checkpoints.
+
 It also times the two ways to find unchanged chunks on this machine: hashing the chunk bytes
 (xxh3 per segment, what unickpt does; the digests double as the checksums written) and
 comparing them with a copy kept from the previous save (``torch.equal``, one more copy of the
@@ -104,13 +107,73 @@ def time_detection(args: argparse.Namespace) -> None:
     )
 
 
+def zipf_ids(gen: torch.Generator, rows: int, n: int, alpha: float) -> torch.Tensor:
+    weights = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** alpha
+    ids = torch.multinomial(weights, n, replacement=True, generator=gen)
+    return (ids * 1_000_003) % rows  # hot ids spread over the table
+
+
+def folder_bytes(folder: str) -> tuple[int, int]:
+    """(data bytes, metadata and index bytes) of a checkpoint folder."""
+    files = [p for p in Path(folder).iterdir() if p.name != "LOCK"]
+    data = sum(p.stat().st_size for p in files if p.name.startswith("data-"))
+    return data, sum(p.stat().st_size for p in files) - data
+
+
+def embedding_case(args: argparse.Namespace) -> None:
+    torch.manual_seed(0)
+    tables = nn.ModuleList(
+        nn.Embedding(args.rows, args.dim, sparse=True) for _ in range(args.tables)
+    )
+    opt = torch.optim.Adagrad(tables.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1)
+    state = {"tables": tables, "optim": opt}
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, options in (("full", {}), ("rows", {"row_deltas": ["*"]})):
+            incremental = bool(options)
+            ckpt = unickpt.Checkpointer(
+                Path(tmp) / name, incremental=incremental, async_save=False, **options
+            )
+            sizes = []
+            for save in range(args.saves):
+                for _ in range(args.steps_between):
+                    for table in tables:
+                        ids = zipf_ids(gen, args.rows, args.batch, args.alpha)
+                        table(ids).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                ckpt.save(save, state)
+                sizes.append(folder_bytes(ckpt.path(save)))
+            ckpt.close()
+            out[name] = sizes
+    full = out["full"][-1]
+    later = [d + m for d, m in out["rows"][1:]]
+    data = max(d for d, _ in out["rows"][1:])
+    print(
+        f"embeddings: {args.tables} tables of {args.rows} x {args.dim} float32, Adagrad, "
+        f"{args.steps_between} steps of {args.batch} Zipf({args.alpha}) ids per table between "
+        f"saves: full checkpoint {sum(full) / 1e6:.1f} MB; changed rows only "
+        f"{max(later) / 1e6:.2f} MB at most ({data / 1e6:.2f} MB data), "
+        f"{sum(full) / max(later):.1f}x smaller"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--steps-between", type=int, default=2)
+    parser.add_argument("--tables", type=int, default=0, help="embedding case: tables (0: skip)")
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--alpha", type=float, default=1.05)
     args = parser.parse_args()
+    if args.tables:
+        embedding_case(args)
+        return
     rows = [
         "| fine-tune | full checkpoint (MB) | incremental: first save, then each (MB) | ratio |"
     ]

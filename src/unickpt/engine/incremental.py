@@ -140,7 +140,8 @@ class IncrementalSave:
         """Each item as pieces: to write (with their checksums) or stored already."""
         seg = self.segment_bytes
         rowwise = [i for i, it in enumerate(items) if self.basis.tracks_rows(it)]
-        plain = [i for i in range(len(items)) if i not in set(rowwise)]
+        tracked = set(rowwise)
+        plain = [i for i in range(len(items)) if i not in tracked]
         sums = hash_items(
             [sources[i] for i in plain], [items[i].nbytes for i in plain], seg, threads
         )

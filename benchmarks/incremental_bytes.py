@@ -30,20 +30,10 @@ from torch import nn
 
 import unickpt
 from unickpt.config import get_config
+from unickpt.demo.lora import add_lora
 from unickpt.demo.model import GPT, GPTConfig
 from unickpt.engine.incremental import hash_items
 from unickpt.engine.write import ItemSource
-
-
-class LoRALinear(nn.Module):
-    def __init__(self, base: nn.Linear, rank: int) -> None:
-        super().__init__()
-        self.base = base.requires_grad_(False)
-        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features) * 0.01)
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.lora_a.T) @ self.lora_b.T
 
 
 def build(kind: str, d_model: int, layers: int) -> GPT:
@@ -51,10 +41,7 @@ def build(kind: str, d_model: int, layers: int) -> GPT:
     config = GPTConfig(vocab_size=256, context_len=64, n_layers=layers, n_heads=8, d_model=d_model)
     model = GPT(config)
     if kind == "lora":
-        model.requires_grad_(False)
-        for block in model.blocks:
-            block.attn.qkv = LoRALinear(block.attn.qkv, 8)  # type: ignore[assignment]
-            block.mlp.fc = LoRALinear(block.mlp.fc, 8)  # type: ignore[assignment]
+        add_lora(model, 8)
     elif kind == "frozen-half":
         for m in (model.tok_emb, model.pos_emb, *model.blocks[: layers // 2]):
             m.requires_grad_(False)

@@ -14,33 +14,17 @@ from torch import nn
 import unickpt
 from tests.distributed import run_ranks
 from unickpt.cli.main import main
+from unickpt.demo.lora import add_lora
 from unickpt.demo.model import GPT, GPTConfig
 from unickpt.engine.checksum import digest
 from unickpt.tools.convert import ConvertOptions, export_checkpoint
 from unickpt.tools.verify import verify_checkpoint
 
 
-class LoRALinear(nn.Module):
-    """A frozen linear layer plus a trained low-rank update ``B @ A``."""
-
-    def __init__(self, base: nn.Linear, rank: int) -> None:
-        super().__init__()
-        self.base = base.requires_grad_(False)
-        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features) * 0.01)
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.lora_a.T) @ self.lora_b.T
-
-
 def _lora_gpt(rank: int = 4) -> GPT:
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, context_len=32, n_layers=2, n_heads=4, d_model=128))
-    model.requires_grad_(False)
-    for block in model.blocks:
-        block.attn.qkv = LoRALinear(block.attn.qkv, rank)  # type: ignore[assignment]
-        block.mlp.fc = LoRALinear(block.mlp.fc, rank)  # type: ignore[assignment]
-    return model
+    config = GPTConfig(vocab_size=64, context_len=32, n_layers=2, n_heads=4, d_model=128)
+    return add_lora(GPT(config), rank)
 
 
 def _train(model: GPT, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:

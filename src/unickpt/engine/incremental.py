@@ -21,6 +21,7 @@ CPU memory is copied once for hashing and again for writing, as the write path d
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -182,16 +183,18 @@ class IncrementalSave:
         before: StoredRows,
     ) -> list[Piece]:
         seg = self.segment_bytes
+        starts = [p0 for p0, _, _ in before.pieces]  # the pieces tile the rows, in order
         out = []
         for a, b, is_changed in changed_runs(changed):
             if is_changed:
                 sums = row_checksums(data, row_bytes, a, b, seg)
                 out.append(Piece(sub_box(item.box, a, b), None, rows_of(source, a, b), sums))
                 continue
-            for p0, p1, stored in before.pieces:
+            for j in range(bisect_right(starts, a) - 1, len(starts)):
+                p0, p1, stored = before.pieces[j]
+                if p0 >= b:
+                    break
                 lo, hi = max(a, p0), min(b, p1)
-                if lo >= hi:
-                    continue
                 if (lo, hi) != (p0, p1):
                     offset = stored.byte_offset + (lo - p0) * row_bytes
                     sums = row_checksums(data, row_bytes, lo, hi, seg)

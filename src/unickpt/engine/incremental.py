@@ -16,7 +16,8 @@ Retention keeps every step a kept checkpoint refers to.
 
 Memory: the basis and a save's digests hold one 16-character checksum per segment (1 MiB) plus
 about 200 bytes per chunk; no tensor bytes are kept or copied (a source that is not contiguous
-CPU memory is copied once for hashing and again for writing, as the write path does).
+CPU memory is copied once for hashing and again for writing, as the write path does). Tables
+compared row by row add what :mod:`unickpt.engine.row_deltas` says.
 """
 
 from __future__ import annotations

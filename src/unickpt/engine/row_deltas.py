@@ -13,8 +13,10 @@ A table is written whole (a new base) when it has no previous digests, when more
 ``MIN_ROWS_PER_PIECE`` rows (many scattered changes across a chain of saves); the Checkpointer's
 ``full_every`` compacts every table as well.
 
-Memory: 8 bytes per row of each tracked chunk are kept between saves (the row digests); while
-digesting, about three blocks of ``BLOCK_ROWS`` rows as int64 words.
+Memory: 8 bytes per row of each tracked chunk are kept between saves (the row digests), plus
+one small record per piece; while digesting, about three blocks of ``BLOCK_ROWS`` rows as int64
+words. Each piece is one chunk entry in the rank's index (about 70 bytes of JSON), so scattered
+changes to narrow rows cost index bytes comparable to the rows themselves.
 """
 
 from __future__ import annotations

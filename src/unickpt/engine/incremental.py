@@ -38,8 +38,8 @@ from ..planning.save_plan import CHUNK_ALIGN, WriteItem
 from .checksum import segment_digests
 from .row_deltas import (
     MAX_CHANGED_FRACTION,
-    MIN_ROWS_PER_PIECE,
     changed_runs,
+    pieces_pay,
     row_checksums,
     row_digests,
     sub_box,
@@ -169,7 +169,8 @@ class IncrementalSave:
             changed = digests != before.digests
             if int(changed.sum()) <= MAX_CHANGED_FRACTION * rows:
                 pieces = self._pieces(item, source, data, row_bytes, changed, before)
-        if not pieces or len(pieces) * MIN_ROWS_PER_PIECE > rows:
+        written = sum(p.box.lengths[0] for p in pieces if p.stored is None) * row_bytes
+        if not pieces or not pieces_pay(written, len(pieces), item.nbytes):
             sums = tuple(segment_digests(buffer_of(data), self.segment_bytes))
             return [Piece(item.box, None, source, sums)]
         return pieces

@@ -9,9 +9,9 @@ boxes of whole rows: the format needs nothing beyond references (docs/format.md)
 resharding, ``verify`` and ``convert`` see an ordinary tiling of the table into row boxes.
 
 A table is written whole (a new base) when it has no previous digests, when more than
-``MAX_CHANGED_FRACTION`` of its rows changed, or when its pieces would exceed one per
-``MIN_ROWS_PER_PIECE`` rows (many scattered changes across a chain of saves); the Checkpointer's
-``full_every`` compacts every table as well.
+``MAX_CHANGED_FRACTION`` of its rows changed, or when its changed rows plus the index entries
+of its pieces (``PIECE_INDEX_BYTES`` each) would cost more than ``MAX_CHANGED_FRACTION`` of the
+whole table; the Checkpointer's ``full_every`` compacts every table as well.
 
 Memory: 8 bytes per row of each tracked chunk are kept between saves (the row digests), plus
 one small record per piece; while digesting, about three blocks of ``BLOCK_ROWS`` rows as int64
@@ -29,7 +29,7 @@ from .checksum import segment_digests
 
 BLOCK_ROWS = 1 << 14
 MAX_CHANGED_FRACTION = 0.5
-MIN_ROWS_PER_PIECE = 4
+PIECE_INDEX_BYTES = 80
 
 _K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _K2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -90,3 +90,8 @@ def row_checksums(
 ) -> tuple[str, ...]:
     """The checksums of rows ``[start, stop)`` of the chunk bytes ``data``."""
     return tuple(segment_digests(buffer_of(data[start * row_bytes : stop * row_bytes]), segment))
+
+
+def pieces_pay(written_bytes: int, pieces: int, table_bytes: int) -> bool:
+    """Whether writing ``written_bytes`` as ``pieces`` pieces beats writing the table whole."""
+    return written_bytes + pieces * PIECE_INDEX_BYTES <= MAX_CHANGED_FRACTION * table_bytes

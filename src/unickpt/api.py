@@ -22,8 +22,10 @@ from .dist import Comm
 from .engine import saver
 from .engine.futures import SaveFuture
 from .engine.hold import hold_steps
+from .engine.incremental import IncrementalSave
 from .engine.loader import LoadReport
 from .engine.loader import load as _load
+from .engine.references import resolving
 from .engine.staging import ARENA, snapshot, stream_marker
 from .engine.write import ItemSource
 from .planning.capture import Capture, capture
@@ -65,11 +67,13 @@ def save(
     overwrite: bool = False,
     config: Config | None = None,
     progress: Callable[[int, int], None] | None = None,
+    incremental: IncrementalSave | None = None,
 ) -> saver.SaveReport:
     """Save ``state`` to ``path``; durable and committed when it returns.
 
     ``progress(bytes_written, bytes_total)``, when given, is called on every rank as pieces of
-    its data file land (a progress bar for long saves).
+    its data file land (a progress bar for long saves). ``incremental`` is how a
+    :class:`~unickpt.Checkpointer` with ``incremental=True`` skips unchanged chunks.
 
     >>> import torch, unickpt
     >>> model = torch.nn.Linear(4, 2)
@@ -81,6 +85,7 @@ def save(
     comm = Comm(group, cfg.collective_timeout_s)
     storage = storage_for(path)
     prep = saver.prepare(comm, storage, state, allow_pickle, overwrite)
+    prep.incremental = incremental
     sources = [ItemSource(v) for v in prep.views]
     return saver.write_and_commit(prep, storage, sources, cfg, progress)
 
@@ -95,6 +100,7 @@ def async_save(
     overwrite: bool = False,
     config: Config | None = None,
     on_commit: Callable[[], None] | None = None,
+    incremental: IncrementalSave | None = None,
 ) -> SaveFuture:
     """Snapshot ``state`` and return; write, fsync and commit go on in the background.
 
@@ -128,11 +134,14 @@ def async_save(
     fut = SaveFuture()
     fut.path = str(path) if not isinstance(path, Storage) else path.location
     if background_snapshot:
-        return _deferred_save(path, state, group, allow_pickle, overwrite, cfg, on_commit, fut)
+        return _deferred_save(
+            path, state, group, allow_pickle, overwrite, cfg, on_commit, fut, incremental
+        )
     wait_pending()
     comm = Comm(group, cfg.collective_timeout_s)
     storage = storage_for(path)
     prep = saver.prepare(comm, storage, state, allow_pickle, overwrite)
+    prep.incremental = incremental
     if prep.nbytes > cfg.staging_budget_bytes:
         log.info(
             "state (%d bytes) exceeds the staging budget; saving in the foreground", prep.nbytes
@@ -170,6 +179,7 @@ def _deferred_save(
     cfg: Config,
     on_commit: Callable[[], None] | None,
     fut: SaveFuture,
+    incremental: IncrementalSave | None = None,
 ) -> SaveFuture:
     """Zero-stall: capture in the call; plan, copy and write in the background, while every
     optimizer step of the process waits for the copy."""
@@ -188,6 +198,7 @@ def _deferred_save(
             for previous in earlier:  # one save at a time: they share the staging memory
                 previous.wait_done()
             prep = saver.prepare(comm, storage, captured.state, allow_pickle, overwrite)
+            prep.incremental = incremental
             if marker is not None:
                 marker.synchronize()
             check: Callable[[], None] | None
@@ -304,7 +315,7 @@ def load(
     if verify is not None and verify != cfg.verify:
         cfg = dataclasses.replace(cfg, verify=verify)
     comm = Comm(group, cfg.collective_timeout_s)
-    storage = storage_for(path)
+    storage = resolving(storage_for(path))
     try:
         return _load(comm, storage, state, strict, allow_pickle, cfg)
     finally:

@@ -13,13 +13,15 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import api
 from .config import Config, get_config
 from .dist import Comm, run_step
 from .engine.futures import SaveFuture
+from .engine.incremental import Basis
+from .engine.references import needed_steps
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -119,6 +121,17 @@ class Checkpointer:
     other nodes' memory), every ``persist_every``-th one also in ``root``; ``load_latest``
     reads the newest step complete in memory, peers' memory or storage; see
     docs/memory_tier.md.
+
+    With ``incremental=True`` a save writes only the chunks whose bytes changed since this
+    Checkpointer's previous save and refers to the earlier checkpoints' bytes for the others
+    (format version 2): frozen layers of a fine-tune, a frozen base under LoRA adapters, tables
+    left untouched cost nothing. Every ``full_every``-th save, and the first save of each
+    Checkpointer, is full. Worth it when much of the state stays the same between saves; in
+    full training, where every tensor changes, it only adds hashing before the write. Retention
+    keeps every step that a kept checkpoint refers to (``steps()`` lists them; they are deleted
+    once no kept checkpoint refers to them). ``row_deltas`` takes patterns of keys
+    (``fnmatch``, e.g. ``["model.tables.*", "optim.state.tables.*"]``) of embedding tables: of
+    those, only the rows that changed are written.
     """
 
     def __init__(
@@ -131,9 +144,21 @@ class Checkpointer:
         background_snapshot: bool = False,
         config: Config | None = None,
         memory: MemoryTier | None = None,
+        incremental: bool = False,
+        full_every: int = 8,
+        row_deltas: Sequence[str] = (),
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last is {keep_last}; expected None or at least 1.")
+        if full_every < 1:
+            raise CheckpointError(f"full_every is {full_every}; expected at least 1.")
+        if row_deltas and not incremental:
+            raise CheckpointError("row_deltas needs incremental=True; pass both.")
+        if incremental and memory is not None:
+            raise CheckpointError(
+                "incremental=True and a memory tier were both given; incremental saves are "
+                "for checkpoints written straight to storage. Pass one of them."
+            )
         self.storage = open_storage(root)
         self.keep_last = keep_last
         self.group = group
@@ -150,6 +175,7 @@ class Checkpointer:
             from .tiers.policy import TierPolicy
 
             self._tier = TierPolicy(self, memory)
+        self._basis = Basis(full_every, row_deltas) if incremental else None
 
     @property
     def memory_stats(self) -> MemoryStats | None:
@@ -199,8 +225,13 @@ class Checkpointer:
             self._pending = self._tier.save(step, state)
             return self._pending
         target = self._step(step)
+        inc = None
+        if self._basis is not None:
+            inc = self._basis.next_save(step_name(step), self.config.segment_bytes, self._committed)
         if not self.async_save:
-            report = api.save(target, state, group=self.group, overwrite=True, config=self.config)
+            report = api.save(
+                target, state, group=self.group, overwrite=True, config=self.config, incremental=inc
+            )
             self._retain(step)
             return SaveFuture.completed(report)
         self._pending = api.async_save(
@@ -211,8 +242,12 @@ class Checkpointer:
             background_snapshot=self.background_snapshot,
             config=self.config,
             on_commit=lambda: self._retain(step),
+            incremental=inc,
         )
         return self._pending
+
+    def _committed(self, name: str) -> bool:
+        return self.storage.child(name).size(COMMIT_FILE) is not None
 
     def _lock(self) -> None:
         """Take the root's writer lock on the coordinator; every rank learns the outcome."""
@@ -275,8 +310,15 @@ class Checkpointer:
     def _retain(self, newest: int, any_rank: bool = False) -> None:
         if self.keep_last is None or not (any_rank or self._comm.is_coordinator):
             return
-        older = [s for s in self.steps() if s < newest]
-        for step in older[: max(0, len(older) - (self.keep_last - 1))]:
+        committed = self.steps()
+        older = [s for s in committed if s < newest]
+        doomed = older[: max(0, len(older) - (self.keep_last - 1))]
+        if doomed:  # steps a kept checkpoint refers to stay
+            needed = needed_steps(
+                self.storage, [step_name(s) for s in committed if s not in doomed]
+            )
+            doomed = [s for s in doomed if step_name(s) not in needed]
+        for step in doomed:
             self._delete(step_name(step), uncommit=True)
 
     def _remove_debris(self, keep: int) -> None:

@@ -23,6 +23,7 @@ from unickpt.format.metadata import (
     Metadata,
     TensorMeta,
 )
+from unickpt.format.references import FileLocation, FileTable, parse_reference
 from unickpt.format.values import decode_value, encode_value
 
 
@@ -104,3 +105,27 @@ def test_version_1_metadata_still_reads() -> None:
     back = decode_metadata(json.dumps(doc).encode(), "m")
     assert back.version == 1 and back.aliases == {}
     assert back.per_rank_value("r", 1) == (True, 2)
+
+
+def test_index_references_roundtrip() -> None:
+    own = ChunkMeta((0, 0), (2, 2), 0, 0, 16, ("aa",))
+    ref = ChunkMeta((2, 0), (2, 2), 1, 4096, 16, ("bb",))
+    where = FileLocation("step-000000100", "data-cd-00000.bin")
+    raw = encode_index("data-ab-00000.bin", [("w", own), ("w", ref)], [where])
+    table = FileTable(["data-ab-00000.bin", "data-ab-00001.bin"])
+    entries = decode_index(raw, "i", 1, table)
+    assert [c.file for _, c in entries] == [1, 2]
+    assert entries[1][1].byte_offset == 4096 and entries[1][1].checksums == ("bb",)
+    assert table.names()[2] == "../step-000000100/data-cd-00000.bin"
+    assert parse_reference(table.names()[2]) == where and parse_reference("data-x.bin") is None
+    with pytest.raises(CheckpointCorruptError, match="read it with its refs"):
+        decode_index(raw, "i", 0)
+    doc = json.loads(raw)
+    doc["chunks"][1][6] = 5
+    with pytest.raises(CheckpointCorruptError, match="not one of the index's 1 refs"):
+        decode_index(json.dumps(doc).encode(), "i", 0, table)
+    with pytest.raises(CheckpointCorruptError, match="neither a plain file name"):
+        parse_reference("../step-1")
+    meta = replace(_meta(), references=("step-000000100",))
+    assert decode_metadata(encode_metadata(meta), "m").references == ("step-000000100",)
+    assert "references" not in json.loads(encode_metadata(_meta()))

@@ -6,8 +6,11 @@ JSON command per line on stdin and answers one JSON line on stdout:
 - ``{"cmd": "run", "mode": M, "root": R, "report": F, "start": N, "seed": S}`` forks a worker
   that saves steps ``N, N + 1, ...`` and answers ``{"pid": P}``. ``M`` is ``"sync"`` or
   ``"async"`` (a :class:`unickpt.Checkpointer` on root ``R``), ``"single"`` (``unickpt.save``
-  into folder ``R`` with ``overwrite=True``) or ``"hold"`` (a Checkpointer on ``R`` saves step
-  ``N``, which takes the root's lock, reports ``locked`` and sleeps). After each committed
+  into folder ``R`` with ``overwrite=True``), ``"incr-sync"`` or ``"incr-async"`` (the same
+  with ``incremental=True``: a frozen tensor is referred to, not written again, and of a
+  table only the changed rows are written) or
+  ``"hold"`` (a Checkpointer on ``R`` saves step ``N``, which takes the root's lock, reports
+  ``locked`` and sleeps). After each committed
   save the worker appends ``committed N`` to ``F``.
 - ``{"cmd": "reap", "pid": P}`` waits for worker ``P`` and answers
   ``{"pid": P, "signal": SIG, "code": CODE}``.
@@ -34,6 +37,35 @@ import torch
 import unickpt
 
 KEEP_LAST = 3
+FULL_EVERY = 3
+INCREMENTAL = ("incr-sync", "incr-async")
+FROZEN_NUMEL = 600_000  # a frozen tensor of a few checksum segments, never written twice
+
+
+TABLE_ROWS = 1000  # an embedding-like table: step s changes row s % TABLE_ROWS only
+
+
+def frozen_values() -> torch.Tensor:
+    return (torch.arange(FROZEN_NUMEL, dtype=torch.int64) % 9973).to(torch.float32)
+
+
+def table_values(step: int) -> torch.Tensor:
+    """Row r holds the last step t <= ``step`` with t % TABLE_ROWS == r (-1 before any)."""
+    rows = torch.arange(TABLE_ROWS, dtype=torch.int64)
+    last = step - (step - rows) % TABLE_ROWS
+    return torch.where(last >= 0, last, -1).to(torch.float32)[:, None].expand(-1, 64).clone()
+
+
+def open_root(root: str, mode: str) -> unickpt.Checkpointer:
+    """The Checkpointer a worker of ``mode`` saves with (and the test checks with)."""
+    return unickpt.Checkpointer(
+        root,
+        keep_last=KEEP_LAST,
+        async_save=mode in ("async", "incr-async"),
+        incremental=mode in INCREMENTAL,
+        full_every=FULL_EVERY,
+        row_deltas=["table"] if mode in INCREMENTAL else (),
+    )
 
 
 def build_state() -> dict[str, Any]:
@@ -47,7 +79,14 @@ def build_state() -> dict[str, Any]:
         p.grad = torch.zeros_like(p)
     opt.step()
     progress = {"step": -1, "tag": "none", "t": torch.zeros(4, dtype=torch.int64)}
-    return {"model": model, "optim": opt, "progress": progress}
+    table = table_values(-1)
+    return {
+        "model": model,
+        "optim": opt,
+        "progress": progress,
+        "frozen": frozen_values(),
+        "table": table,
+    }
 
 
 def named_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -75,6 +114,7 @@ def set_step(state: dict[str, Any], step: int) -> None:
     with torch.no_grad():
         for name, t in named_tensors(state).items():
             t.copy_(pattern(step, name, t))
+        state["table"].copy_(table_values(step))
     state["progress"]["step"] = step
     state["progress"]["tag"] = f"step-{step}"
 
@@ -89,6 +129,10 @@ def check_step(state: dict[str, Any]) -> tuple[int, list[str]]:
     ]
     if state["progress"]["tag"] != f"step-{step}":
         wrong.append(f"progress.tag={state['progress']['tag']!r}")
+    if not torch.equal(state["frozen"], frozen_values()):
+        wrong.append("frozen")
+    if not torch.equal(state["table"], table_values(step)):
+        wrong.append("table")
     return step, wrong
 
 
@@ -108,7 +152,7 @@ def _work(mode: str, root: str, report: str, start: int, seed: int) -> None:
             unickpt.save(root, state, overwrite=True)
             _report(fd, f"committed {step}")
             step += 1
-    ckpt = unickpt.Checkpointer(root, keep_last=KEEP_LAST, async_save=mode == "async")
+    ckpt = open_root(root, mode)
     if mode == "hold":  # a writer: its first save takes the root's lock
         set_step(state, start)
         ckpt.save(start, state).wait()

@@ -19,8 +19,16 @@ import pytest
 
 import unickpt
 from tests.integrity._helpers import debris, tmp_files
-from tests.integrity._procs import SaverServer, committed_steps
-from tests.integrity._saver_script import KEEP_LAST, build_state, check_step, set_step
+from tests.integrity._procs import SaverServer, committed_steps, wait_for_line
+from tests.integrity._saver_script import (
+    FULL_EVERY,
+    INCREMENTAL,
+    KEEP_LAST,
+    build_state,
+    check_step,
+    open_root,
+    set_step,
+)
 
 TRIALS = int(os.environ.get("INTEGRITY_KILL_TRIALS", "25"))
 MAX_DELAY_S = 0.3
@@ -31,6 +39,8 @@ def _kill_after_random_delay(
     server: SaverServer, mode: str, root: Path, report: Path, start: int, rng: random.Random
 ) -> list[str]:
     pid = server.start(mode, root, report, start, rng.randrange(1 << 30))
+    if mode in INCREMENTAL:  # a chain is under way: a full save, then one referring to it
+        wait_for_line(report, f"committed {start + 1}", 60.0)
     time.sleep(rng.uniform(0.0, MAX_DELAY_S))
     ended = server.kill(pid)
     if ended["signal"] != signal.SIGKILL:
@@ -43,7 +53,7 @@ def _step_folders(root: Path) -> list[Path]:
 
 
 def _check_root_after_kill(
-    root: Path, state: dict[str, Any], floor: int
+    root: Path, state: dict[str, Any], floor: int, mode: str
 ) -> tuple[int, list[str], bool]:
     """Load the newest step, save the next, check the root is clean.
 
@@ -54,7 +64,9 @@ def _check_root_after_kill(
     interrupted = any(not (p / "COMMIT").exists() for p in _step_folders(root))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ckpt = unickpt.Checkpointer(root, keep_last=KEEP_LAST, async_save=False)
+        ckpt = open_root(str(root), "incr-sync" if mode in INCREMENTAL else "sync")
+        # retention also keeps the steps that kept incremental checkpoints refer to
+        most = KEEP_LAST + (FULL_EVERY - 1 if mode in INCREMENTAL else 0)
         try:
             set_step(state, SENTINEL)
             newest = ckpt.steps()[-1] if ckpt.steps() else None
@@ -75,7 +87,7 @@ def _check_root_after_kill(
             set_step(state, nxt)
             ckpt.save(nxt, state)
             steps = ckpt.steps()
-            if steps[-1] != nxt or len(steps) > KEEP_LAST:
+            if steps[-1] != nxt or len(steps) > most:
                 problems.append(f"after saving step {nxt} the committed steps are {steps}")
         finally:
             ckpt.close()
@@ -95,7 +107,7 @@ def _check_root_after_kill(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", *INCREMENTAL])
 def test_checkpointer_survives_sigkill(
     mode: str, tmp_path: Path, saver_server: SaverServer, rng: random.Random
 ) -> None:
@@ -110,7 +122,7 @@ def test_checkpointer_survives_sigkill(
         reported = committed_steps(report)
         committed += len(reported)
         floor = max([floor, *reported])
-        saved, found, was_interrupted = _check_root_after_kill(root, state, floor)
+        saved, found, was_interrupted = _check_root_after_kill(root, state, floor, mode)
         interrupted += was_interrupted
         failures += [f"trial {trial}: {p}" for p in problems + found]
         floor, start = saved, saved + 1

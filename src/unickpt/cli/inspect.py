@@ -55,6 +55,7 @@ def render(s: CheckpointSummary) -> str:
             ["format", f"version {s.format_version}, save {s.save_id}"],
             ["checksums", f"{s.checksum_algorithm} per {format_bytes(s.segment_bytes)}"],
             ["data", f"{files}, {format_bytes(s.data_bytes)}"],
+            *([["refers to", ", ".join(s.references)]] if s.references else []),
         ],
     )
     tensor_rows = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from ..errors import CheckpointCorruptError, CheckpointNotFoundError
 from ..format.codec import (
@@ -23,6 +24,7 @@ from ..format.codec import (
     encode_metadata,
 )
 from ..format.metadata import COMMIT_FILE, ChunkMeta, CommitRecord, FileRef, Metadata
+from ..format.references import FileTable
 from ..storage.base import Storage, check_name
 from .checksum import digest
 
@@ -74,14 +76,20 @@ def read_checkpoint(storage: Storage) -> tuple[CommitRecord, Metadata]:
     for ref in meta.file_refs:
         check_name(ref.data)
         check_name(ref.index)
+    files = FileTable(meta.files)
     with ThreadPoolExecutor(8, thread_name_prefix="unickpt-index") as pool:
         indexes = list(
-            pool.map(lambda i: _read_index(storage, meta.file_refs[i], i), range(len(meta.files)))
+            pool.map(
+                lambda i: _read_index(storage, meta.file_refs[i], i, files),
+                range(len(meta.files)),
+            )
         )
-    return record, assemble(meta, indexes)
+    return record, replace(assemble(meta, indexes), files=files.names())
 
 
-def _read_index(storage: Storage, ref: FileRef, file: int) -> list[tuple[str, ChunkMeta]]:
+def _read_index(
+    storage: Storage, ref: FileRef, file: int, files: FileTable
+) -> list[tuple[str, ChunkMeta]]:
     where = f"{storage.location}/{ref.index}"
     raw = storage.read_bytes(ref.index)
     if raw is None:
@@ -96,7 +104,7 @@ def _read_index(storage: Storage, ref: FileRef, file: int) -> list[tuple[str, Ch
             f"{ref.index_nbytes} bytes with checksum {ref.index_checksum}; the index is damaged. "
             "Load an earlier checkpoint."
         )
-    return decode_index(raw, where, file)
+    return decode_index(raw, where, file, files)
 
 
 def _not_found_message(storage: Storage) -> str:

@@ -18,6 +18,7 @@ from ..storage.base import Storage
 from ..storage.registry import open_storage
 from .commit import read_checkpoint
 from .read import ReadStats, execute_reads
+from .references import resolving
 
 
 class CheckpointReader:
@@ -35,7 +36,7 @@ class CheckpointReader:
         verify: bool = True,
         config: Config | None = None,
     ) -> None:
-        self.storage = open_storage(path)
+        self.storage = resolving(open_storage(path))
         self.commit: CommitRecord
         self.metadata: Metadata
         self.commit, self.metadata = read_checkpoint(self.storage)

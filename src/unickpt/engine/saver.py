@@ -26,6 +26,7 @@ from ..errors import CheckpointExistsError
 from ..format.codec import encode_index
 from ..format.dtypes import dtype_name
 from ..format.metadata import PER_RANK_ABSENT, ChunkMeta, FileRef, Metadata, TensorMeta
+from ..format.references import FileLocation
 from ..format.values import encode_value, needs_pickle
 from ..layouts.boxes import Box
 from ..planning.flatten import Flattened, flatten_state
@@ -34,7 +35,8 @@ from ..planning.save_plan import GlobalPlan, LocalPlan, TensorDecl, WriteItem, b
 from ..storage.base import Storage
 from .checksum import digest
 from .commit import commit, data_name, index_name, read_commit
-from .write import ItemSource, write_file
+from .incremental import IncrementalSave, Piece, relaid
+from .write import ItemSource, WriteResult, write_file
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class PreparedSave:
     per_rank: dict[str, Any]
     plan_cached: bool
     release: Callable[[], None] | None = None
+    incremental: IncrementalSave | None = None
+    """Set by a Checkpointer with ``incremental=True``: skip chunks its last save stored."""
 
     @property
     def nbytes(self) -> int:
@@ -181,7 +185,8 @@ def write_and_commit(
     except Exception as e:  # noqa: BLE001 - reported to every rank
         failure, caught = failure_of(comm.rank, e), e
     write_s = time.perf_counter() - t0
-    payload = (failure, ref, prep.per_rank, prep.values)
+    steps = prep.incremental.referenced_steps if prep.incremental else ()
+    payload = (failure, ref, prep.per_rank, prep.values, steps)
     outcome: list[RankFailure | None] = [failure]
     try:
         gathered = comm.gather(payload)
@@ -200,6 +205,8 @@ def write_and_commit(
             prep.release()
     outcome = comm.broadcast(outcome)
     raise_failures(comm, "saving", outcome, caught)
+    if prep.incremental is not None:
+        prep.incremental.adopt()
     total = ref.nbytes if ref else 0
     return SaveReport(total, write_s, time.perf_counter() - t0 - write_s, prep.plan_cached)
 
@@ -213,19 +220,87 @@ def _write_rank_files(
 ) -> FileRef:
     """This rank's data file, then its index (chunks and checksums); both durable."""
     name = data_name(prep.save_id, prep.comm.rank)
-    result = write_file(storage, name, prep.items, sources, config, progress)
-    entries = [
-        (i.key, ChunkMeta(i.box.offsets, i.box.lengths, 0, i.byte_offset, i.nbytes, sums))
-        for i, sums in zip(prep.items, result.checksums)
-    ]
-    raw = encode_index(name, entries)
+    inc = prep.incremental
+    refs: list[FileLocation] = []
+    if inc is None or inc.full:
+        if inc is not None:
+            inc.digest_rows(prep.items, sources)
+        result = write_file(storage, name, prep.items, sources, config, progress)
+        chunks = [
+            [ChunkMeta(i.box.offsets, i.box.lengths, 0, i.byte_offset, i.nbytes, sums)]
+            for i, sums in zip(prep.items, result.checksums)
+        ]
+    else:
+        result, chunks, refs = _write_changed(prep, inc, storage, name, sources, config, progress)
+    if inc is not None:
+        inc.record(name, prep.items, chunks, refs)
+    entries = [(it.key, c) for it, cs in zip(prep.items, chunks) for c in cs]
+    raw = encode_index(name, entries, refs)
     index = index_name(prep.save_id, prep.comm.rank)
     storage.write_atomic(index, raw)
     return FileRef(name, result.nbytes, index, len(raw), digest(memoryview(raw)))
 
 
+def _write_changed(
+    prep: PreparedSave,
+    inc: IncrementalSave,
+    storage: Storage,
+    name: str,
+    sources: list[ItemSource],
+    config: Config,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[WriteResult, list[list[ChunkMeta]], list[FileLocation]]:
+    """Hash every item, write the changed pieces back to back, refer to the others."""
+    pieces = inc.plan(prep.items, sources, config.io_threads)
+    writes = [p for ps in pieces for p in ps if p.stored is None]
+    laid = relaid([WriteItem("", p.box, 0, _nbytes(p)) for p in writes])
+    write_sources = [p.source for p in writes if p.source is not None]
+    result = write_file(
+        storage, name, laid, write_sources, config, progress, [p.checksums for p in writes]
+    )
+    refs = sorted({p.stored.location for ps in pieces for p in ps if p.stored is not None})
+    number = {loc: n + 1 for n, loc in enumerate(refs)}
+    at = iter(laid)
+    chunks: list[list[ChunkMeta]] = []
+    for ps in pieces:
+        out = []
+        for p in ps:
+            if p.stored is None:
+                it = next(at)
+                out.append(
+                    ChunkMeta(
+                        p.box.offsets, p.box.lengths, 0, it.byte_offset, it.nbytes, p.checksums
+                    )
+                )
+            else:
+                s = p.stored
+                out.append(
+                    ChunkMeta(
+                        p.box.offsets,
+                        p.box.lengths,
+                        number[s.location],
+                        s.byte_offset,
+                        s.nbytes,
+                        s.checksums,
+                    )
+                )
+        chunks.append(out)
+    log.debug(
+        "incremental save: %d pieces written, %d referred to",
+        len(writes),
+        sum(map(len, pieces)) - len(writes),
+    )
+    return result, chunks, refs
+
+
+def _nbytes(p: Piece) -> int:
+    assert p.source is not None
+    return p.source.view.numel() * p.source.view.element_size()
+
+
 def _metadata(prep: PreparedSave, gathered: list[Any], config: Config) -> Metadata:
     refs = tuple(g[1] for g in gathered if g[1] is not None)
+    referenced = tuple(sorted({s for g in gathered for s in g[4]}))
     tensors = {
         k: TensorMeta(dtype, shape, layout, ())
         for k, (dtype, shape, layout) in prep.plan.tensors.items()
@@ -248,6 +323,7 @@ def _metadata(prep: PreparedSave, gathered: list[Any], config: Config) -> Metada
         producer={"unickpt": __version__, "torch": torch.__version__},
         pickled_keys=tuple(sorted(pickled)),
         file_refs=refs,
+        references=referenced,
     )
 
 

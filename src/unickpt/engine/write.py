@@ -52,10 +52,12 @@ def write_file(
     sources: Sequence[ItemSource],
     config: Config,
     progress: Callable[[int, int], None] | None = None,
+    known: Sequence[tuple[str, ...]] | None = None,
 ) -> WriteResult:
     """Write ``items`` from ``sources`` into ``name``; durable on return.
 
-    ``progress(bytes_written, bytes_total)`` is called as each part lands.
+    ``progress(bytes_written, bytes_total)`` is called as each part lands. ``known``, when
+    given, holds the items' checksums computed already (nothing is hashed again).
     """
     rules = PartRules(
         target_bytes=config.window_bytes,
@@ -72,7 +74,8 @@ def write_file(
     pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-write")
     try:
         futures = [
-            pool.submit(_write_part, handle, part, sources, config.segment_bytes) for part in parts
+            pool.submit(_write_part, handle, part, sources, config.segment_bytes, known)
+            for part in parts
         ]
         done = 0
         for part, fut in zip(parts, futures):
@@ -104,9 +107,13 @@ def _result(
 
 
 def _write_part(
-    handle: WriteHandle, part: Part, sources: Sequence[ItemSource], segment: int
+    handle: WriteHandle,
+    part: Part,
+    sources: Sequence[ItemSource],
+    segment: int,
+    known: Sequence[tuple[str, ...]] | None = None,
 ) -> dict[tuple[int, int], list[str]]:
-    """Hash the part's chunk pieces and write it from views of its sources."""
+    """Hash the part's chunk pieces (unless ``known``) and write it from views of its sources."""
     out: dict[tuple[int, int], list[str]] = {}
     buffers: list[memoryview] = []
     for span in part.spans:
@@ -115,10 +122,20 @@ def _write_part(
             continue
         data = sources[span.item].contiguous_bytes()[span.start : span.start + span.nbytes]
         mv = buffer_of(data)
-        out[(span.item, span.start)] = segment_digests(mv, segment)
+        if known is None:
+            out[(span.item, span.start)] = segment_digests(mv, segment)
+        else:
+            first = span.start // segment
+            out[(span.item, span.start)] = list(
+                known[span.item][first : first + _count(mv, segment)]
+            )
         buffers.append(mv)
     handle.write_part(part.index, buffers)
     return out
+
+
+def _count(mv: memoryview, segment: int) -> int:
+    return max(1, -(-len(mv) // segment))
 
 
 def _zeros(nbytes: int) -> list[memoryview]:

@@ -22,6 +22,7 @@ from .metadata import (
     Metadata,
     TensorMeta,
 )
+from .references import FileLocation, FileTable
 
 INDEX_FORMAT = "unickpt-index"
 
@@ -55,6 +56,8 @@ def encode_metadata(meta: Metadata) -> bytes:
         "pickled_keys": list(meta.pickled_keys),
         "aliases": dict(meta.aliases),
     }
+    if meta.references:
+        doc["references"] = list(meta.references)
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
@@ -96,6 +99,7 @@ def decode_metadata(raw: bytes, source: str) -> Metadata:
             pickled_keys=tuple(str(k) for k in doc.get("pickled_keys", [])),
             file_refs=refs,
             aliases=_aliases(doc.get("aliases", {}), tensors),
+            references=tuple(str(s) for s in doc.get("references", [])),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointCorruptError(
@@ -112,30 +116,49 @@ def _aliases(doc: Any, tensors: dict[str, TensorMeta]) -> dict[str, str]:
     return aliases
 
 
-def encode_index(data_file: str, entries: Sequence[tuple[str, ChunkMeta]]) -> bytes:
-    """One data file's chunks: ``[key, offsets, lengths, byte_offset, nbytes, checksums]``."""
-    doc = {
+def encode_index(
+    data_file: str,
+    entries: Sequence[tuple[str, ChunkMeta]],
+    refs: Sequence[FileLocation] = (),
+) -> bytes:
+    """One data file's chunks: ``[key, offsets, lengths, byte_offset, nbytes, checksums]``.
+
+    A chunk whose ``file`` is ``r + 1`` lies in the earlier checkpoint's file ``refs[r]``
+    (format version 2): its entry gets a seventh element ``r`` and the index lists ``refs``.
+    """
+    chunks = []
+    for k, c in entries:
+        row = [k, list(c.offsets), list(c.lengths), c.byte_offset, c.nbytes, list(c.checksums)]
+        if c.file:
+            row.append(c.file - 1)
+        chunks.append(row)
+    doc: dict[str, Any] = {
         "format": INDEX_FORMAT,
         "version": FORMAT_VERSION,
         "data": data_file,
-        "chunks": [
-            [k, list(c.offsets), list(c.lengths), c.byte_offset, c.nbytes, list(c.checksums)]
-            for k, c in entries
-        ],
+        "chunks": chunks,
     }
+    if refs:
+        doc["refs"] = [[r.step, r.data] for r in refs]
     return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
 
-def decode_index(raw: bytes, source: str, file: int) -> list[tuple[str, ChunkMeta]]:
+def decode_index(
+    raw: bytes, source: str, file: int, files: FileTable | None = None
+) -> list[tuple[str, ChunkMeta]]:
+    """The chunks of an index; chunks in this index's data file get number ``file``, chunks
+    that refer to an earlier checkpoint's file get the number ``files`` gives it."""
     doc = _load_json(raw, source)
     _check_header(doc, source, INDEX_FORMAT)
     try:
+        refs = [FileLocation(str(step), str(data)) for step, data in doc.get("refs", [])]
         out = []
-        for key, offsets, lengths, byte_offset, nbytes, checksums in doc["chunks"]:
+        for row in doc["chunks"]:
+            key, offsets, lengths, byte_offset, nbytes, checksums, *ref = row
             chunk = ChunkMeta(
                 offsets=tuple(int(o) for o in offsets),
                 lengths=tuple(int(n) for n in lengths),
-                file=file,
+                file=_file_number(file, ref, refs, files),
                 byte_offset=int(byte_offset),
                 nbytes=int(nbytes),
                 checksums=tuple(str(c) for c in checksums),
@@ -146,11 +169,23 @@ def decode_index(raw: bytes, source: str, file: int) -> list[tuple[str, ChunkMet
                 raise ValueError(f"chunk of '{key}' has {len(chunk.offsets)} offsets")
             out.append((str(key), chunk))
         return out
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         raise CheckpointCorruptError(
             f"{source}: the index is not well formed ({type(e).__name__}: {e}); the "
             "checkpoint is damaged. Load an earlier checkpoint."
         ) from e
+
+
+def _file_number(
+    own: int, ref: list[Any], refs: list[FileLocation], files: FileTable | None
+) -> int:
+    if not ref:
+        return own
+    if len(ref) != 1 or not isinstance(ref[0], int) or not 0 <= ref[0] < len(refs):
+        raise ValueError(f"reference {ref} is not one of the index's {len(refs)} refs")
+    if files is None:
+        raise ValueError("a chunk refers to another checkpoint's file; read it with its refs")
+    return files.number(refs[ref[0]])
 
 
 def assemble(meta: Metadata, indexes: Sequence[list[tuple[str, ChunkMeta]]]) -> Metadata:

@@ -16,7 +16,8 @@ from ..layouts.boxes import Box
 
 FORMAT_NAME = "unickpt"
 FORMAT_VERSION = 2
-"""Version 2 added ``aliases`` (tied weights) and ``{"$absent": true}`` in ``per_rank``."""
+"""Version 2 added ``aliases`` (tied weights), ``{"$absent": true}`` in ``per_rank`` and
+``references`` (incremental checkpoints)."""
 COMMIT_FILE = "COMMIT"
 CHECKSUM_ALGORITHM = "xxh3_64"
 PER_RANK_ABSENT: dict[str, Any] = {"$absent": True}
@@ -86,6 +87,10 @@ class Metadata:
     pickled_keys: tuple[str, ...] = ()
     file_refs: tuple[FileRef, ...] = ()
     aliases: dict[str, str] = field(default_factory=dict)
+    references: tuple[str, ...] = ()
+    """Step folders (beside this checkpoint's) whose data files hold some of its chunks; the
+    chunks that lie there name those files in ``files`` as ``../<step folder>/<data file>``
+    (see :mod:`unickpt.format.references`). Empty for a self-contained checkpoint."""
 
     @property
     def total_bytes(self) -> int:

@@ -194,6 +194,14 @@ class Storage(ABC):
     def remove_tree(self, name: str) -> None:
         """Delete sub-folder ``name`` and everything in it; a missing one is no error."""
 
+    def parent(self) -> Storage | None:
+        """The folder holding this one, or None when the backend cannot name it.
+
+        Readers of incremental checkpoints reach the step folders a checkpoint refers to as
+        ``parent().child(step)``: a checkpoint in a Checkpointer root refers to its siblings.
+        """
+        return None
+
     def acquire_lock(self) -> Callable[[], None]:
         """Take the folder's writer lock; return its release.
 

@@ -129,6 +129,12 @@ class FsspecStorage(Storage):
             self._full(name), fs=self.fs, max_buffered_bytes=self.max_buffered_bytes
         )
 
+    def parent(self) -> FsspecStorage | None:
+        head, sep, _ = self.path.rstrip("/").rpartition("/")
+        if not sep:
+            return None
+        return FsspecStorage(head or "/", fs=self.fs, max_buffered_bytes=self.max_buffered_bytes)
+
     def _ensure_root(self) -> None:
         if not self._made:
             try:

@@ -124,6 +124,10 @@ class LocalStorage(Storage):
     def child(self, name: str) -> LocalStorage:
         return LocalStorage(self._path(name))
 
+    def parent(self) -> LocalStorage:
+        root = self.root if self.root.name else self.root.absolute()
+        return LocalStorage(root.parent)
+
     def ensure_root(self) -> None:
         if self._made:
             return

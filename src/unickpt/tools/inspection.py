@@ -69,6 +69,7 @@ class CheckpointSummary:
     files: tuple[FileInfo, ...]
     tensors: tuple[TensorInfo, ...]
     objects: tuple[ObjectInfo, ...]
+    references: tuple[str, ...] = ()  # step folders an incremental checkpoint reads from
 
     @property
     def tensor_bytes(self) -> int:
@@ -119,6 +120,7 @@ def inspect_checkpoint(path: str | os.PathLike[str] | Storage) -> CheckpointSumm
         files=_files(meta),
         tensors=tuple(_tensor(k, meta) for k in sorted(meta.tensors)),
         objects=_objects(meta),
+        references=meta.references,
     )
 
 

@@ -1,0 +1,296 @@
+"""Incremental saves: chunks whose bytes did not change since the last save are not written.
+
+Each rank of a Checkpointer with ``incremental=True`` keeps a :class:`Basis`: for every chunk
+it wrote or referred to in its last committed save, where the bytes lie (step folder, data
+file, byte offset), their size and their checksums (xxh3-64 per segment). A save then hashes
+each chunk it is about to write (the whole chunk, every segment: these digests are also the
+checksums the index records, so no byte is hashed twice) and compares them with the basis: a
+chunk with the same key, box, size and checksums is not written; the new index refers to the
+bytes where they already lie (:mod:`unickpt.format.references`). References always point at the
+file that holds the bytes, never at a checkpoint that itself refers on, so reading one costs one
+hop; a checkpoint depends on at most the steps saved since the last full one.
+
+Compaction: every ``full_every``-th save of a rank is full (writes every chunk), and so is the
+first save of a Checkpointer (the basis lives in memory: a restarted job starts a new chain).
+Retention keeps every step a kept checkpoint refers to.
+
+Memory: the basis and a save's digests hold one 16-character checksum per segment (1 MiB) plus
+about 200 bytes per chunk; no tensor bytes are kept or copied (a source that is not contiguous
+CPU memory is copied once for hashing and again for writing, as the write path does). Tables
+compared row by row add what :mod:`unickpt.engine.row_deltas` says.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+import torch
+
+from ..format.dtypes import buffer_of
+from ..format.metadata import ChunkMeta
+from ..format.references import FileLocation
+from ..layouts.boxes import Box
+from ..planning.save_plan import CHUNK_ALIGN, WriteItem
+from .checksum import segment_digests
+from .row_deltas import (
+    MAX_CHANGED_FRACTION,
+    changed_runs,
+    pieces_pay,
+    row_checksums,
+    row_digests,
+    sub_box,
+)
+from .write import ItemSource
+
+_HASH_PIECE_SEGMENTS = 64
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """The bytes of a chunk saved earlier: ``nbytes`` at ``byte_offset`` of ``location``."""
+
+    location: FileLocation
+    byte_offset: int
+    nbytes: int
+    checksums: tuple[str, ...]
+
+
+_Chunks = dict[tuple[str, Box], StoredChunk]
+
+
+@dataclass(frozen=True)
+class StoredRows:
+    """A table saved as row pieces: rows ``[start, stop)`` lie in each piece's chunk, and the
+    digest of every row (:func:`~unickpt.engine.row_deltas.row_digests`) at that save."""
+
+    pieces: tuple[tuple[int, int, StoredChunk], ...]
+    digests: torch.Tensor
+
+
+class Basis:
+    """What one rank of a Checkpointer saved last; decides each save's kind (full or not).
+
+    Keys matching one of ``row_patterns`` (:func:`fnmatch.fnmatchcase`) whose chunks are 2-D
+    are compared row by row (:mod:`unickpt.engine.row_deltas`).
+    """
+
+    def __init__(self, full_every: int, row_patterns: Sequence[str] = ()) -> None:
+        if full_every < 1:
+            raise ValueError(f"full_every is {full_every}; expected at least 1")
+        self.full_every = full_every
+        self.row_patterns = tuple(row_patterns)
+        self.chunks: _Chunks = {}
+        self.rows: dict[tuple[str, Box], StoredRows] = {}
+        self.segment_bytes = 0
+        self.since_full = 0
+
+    def tracks_rows(self, item: WriteItem) -> bool:
+        return (
+            item.box.ndim == 2
+            and item.box.lengths[0] > 1
+            and any(fnmatchcase(item.key, p) for p in self.row_patterns)
+        )
+
+    def next_save(
+        self, step: str, segment_bytes: int, committed: Callable[[str], bool]
+    ) -> IncrementalSave:
+        """The save of step folder ``step``: full when the chain is due for compaction.
+
+        Chunks stored in a step folder that ``committed`` denies (deleted, uncommitted by a
+        failed load's clean-up) or in ``step`` itself (being replaced) are written again.
+        """
+        full = (
+            not (self.chunks or self.rows)
+            or segment_bytes != self.segment_bytes
+            or self.since_full + 1 >= self.full_every
+        )
+        if full:
+            return IncrementalSave(self, step, True, {}, {}, segment_bytes)
+        steps = {c.location.step for c in self.chunks.values()}
+        steps |= {c.location.step for r in self.rows.values() for _, _, c in r.pieces}
+        alive = {s for s in steps - {step} if committed(s)}
+        known = {k: c for k, c in self.chunks.items() if c.location.step in alive}
+        rows = {
+            k: r
+            for k, r in self.rows.items()
+            if all(c.location.step in alive for _, _, c in r.pieces)
+        }
+        return IncrementalSave(self, step, False, known, rows, segment_bytes)
+
+
+@dataclass
+class IncrementalSave:
+    """One save of a rank: which chunks to skip, and the basis it leaves once committed."""
+
+    basis: Basis
+    step: str
+    full: bool
+    known: _Chunks
+    known_rows: dict[tuple[str, Box], StoredRows]
+    segment_bytes: int
+    written: _Chunks = field(default_factory=dict)
+    written_rows: dict[tuple[str, Box], StoredRows] = field(default_factory=dict)
+    referenced_steps: tuple[str, ...] = ()
+
+    def plan(
+        self, items: Sequence[WriteItem], sources: Sequence[ItemSource], threads: int
+    ) -> list[list[Piece]]:
+        """Each item as pieces: to write (with their checksums) or stored already."""
+        seg = self.segment_bytes
+        rowwise = [i for i, it in enumerate(items) if self.basis.tracks_rows(it)]
+        tracked = set(rowwise)
+        plain = [i for i in range(len(items)) if i not in tracked]
+        sums = hash_items(
+            [sources[i] for i in plain], [items[i].nbytes for i in plain], seg, threads
+        )
+        out: list[list[Piece]] = [[] for _ in items]
+        for i, digests in zip(plain, sums):
+            it = items[i]
+            stored = self.known.get((it.key, it.box))
+            same = stored is not None and stored.nbytes == it.nbytes and stored.checksums == digests
+            out[i] = [Piece(it.box, stored if same else None, sources[i], digests)]
+        for i in rowwise:
+            out[i] = self._row_pieces(items[i], sources[i])
+        return out
+
+    def _row_pieces(self, item: WriteItem, source: ItemSource) -> list[Piece]:
+        rows = item.box.lengths[0]
+        data = source.contiguous_bytes()
+        digests = row_digests(data, rows)
+        self.written_rows[(item.key, item.box)] = StoredRows((), digests)
+        before = self.known_rows.get((item.key, item.box))
+        row_bytes = item.nbytes // rows
+        pieces: list[Piece] = []
+        if before is not None and before.digests.shape == digests.shape:
+            changed = digests != before.digests
+            if int(changed.sum()) <= MAX_CHANGED_FRACTION * rows:
+                pieces = self._pieces(item, source, data, row_bytes, changed, before)
+        written = sum(p.box.lengths[0] for p in pieces if p.stored is None) * row_bytes
+        if not pieces or not pieces_pay(written, len(pieces), item.nbytes):
+            sums = tuple(segment_digests(buffer_of(data), self.segment_bytes))
+            return [Piece(item.box, None, source, sums)]
+        return pieces
+
+    def _pieces(
+        self,
+        item: WriteItem,
+        source: ItemSource,
+        data: torch.Tensor,
+        row_bytes: int,
+        changed: torch.Tensor,
+        before: StoredRows,
+    ) -> list[Piece]:
+        seg = self.segment_bytes
+        starts = [p0 for p0, _, _ in before.pieces]  # the pieces tile the rows, in order
+        out = []
+        for a, b, is_changed in changed_runs(changed):
+            if is_changed:
+                sums = row_checksums(data, row_bytes, a, b, seg)
+                out.append(Piece(sub_box(item.box, a, b), None, rows_of(source, a, b), sums))
+                continue
+            for j in range(bisect_right(starts, a) - 1, len(starts)):
+                p0, p1, stored = before.pieces[j]
+                if p0 >= b:
+                    break
+                lo, hi = max(a, p0), min(b, p1)
+                if (lo, hi) != (p0, p1):
+                    offset = stored.byte_offset + (lo - p0) * row_bytes
+                    sums = row_checksums(data, row_bytes, lo, hi, seg)
+                    stored = StoredChunk(stored.location, offset, (hi - lo) * row_bytes, sums)
+                out.append(Piece(sub_box(item.box, lo, hi), stored, None, stored.checksums))
+        return out
+
+    def digest_rows(self, items: Sequence[WriteItem], sources: Sequence[ItemSource]) -> None:
+        """A full save: the row digests of the tables, for the next save to compare with."""
+        for it, src in zip(items, sources):
+            if self.basis.tracks_rows(it):
+                digests = row_digests(src.contiguous_bytes(), it.box.lengths[0])
+                self.written_rows[(it.key, it.box)] = StoredRows((), digests)
+
+    def record(
+        self,
+        data_file: str,
+        items: Sequence[WriteItem],
+        chunks: Sequence[Sequence[ChunkMeta]],
+        refs: Sequence[FileLocation],
+    ) -> None:
+        """Remember where this save's chunks lie (adopted by :meth:`adopt` once committed)."""
+        own = FileLocation(self.step, data_file)
+
+        def stored(c: ChunkMeta) -> StoredChunk:
+            where = refs[c.file - 1] if c.file else own
+            return StoredChunk(where, c.byte_offset, c.nbytes, c.checksums)
+
+        for it, cs in zip(items, chunks):
+            key = (it.key, it.box)
+            digests = self.written_rows.get(key)
+            if digests is None:
+                self.written[key] = stored(cs[0])
+                continue
+            first = it.box.offsets[0]
+            pieces = tuple(
+                (c.offsets[0] - first, c.offsets[0] - first + c.lengths[0], stored(c)) for c in cs
+            )
+            self.written_rows[key] = StoredRows(pieces, digests.digests)
+        self.referenced_steps = tuple(sorted({r.step for r in refs}))
+
+    def adopt(self) -> None:
+        """The save is committed: later saves compare against it."""
+        b = self.basis
+        b.chunks, b.rows, b.segment_bytes = self.written, self.written_rows, self.segment_bytes
+        b.since_full = b.since_full + 1 if self.referenced_steps else 0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of an item: ``stored`` already (referred to) or written from ``source``."""
+
+    box: Box
+    stored: StoredChunk | None
+    source: ItemSource | None
+    checksums: tuple[str, ...]
+
+
+def rows_of(source: ItemSource, start: int, stop: int) -> ItemSource:
+    return ItemSource(source.view[start:stop])
+
+
+def relaid(items: Sequence[WriteItem]) -> tuple[WriteItem, ...]:
+    """``items`` laid out back to back in a new file (each at a multiple of CHUNK_ALIGN)."""
+    offset = 0
+    out = []
+    for it in items:
+        offset = -(-offset // CHUNK_ALIGN) * CHUNK_ALIGN
+        out.append(WriteItem(it.key, it.box, offset, it.nbytes))
+        offset += it.nbytes
+    return tuple(out)
+
+
+def hash_items(
+    sources: Sequence[ItemSource], nbytes: Sequence[int], segment: int, threads: int
+) -> list[tuple[str, ...]]:
+    """Every item's checksums (xxh3-64 per segment), hashed in pieces on ``threads`` threads."""
+    step = segment * _HASH_PIECE_SEGMENTS
+    tasks = [
+        (i, start)
+        for i, (src, n) in enumerate(zip(sources, nbytes))
+        for start in (range(0, max(n, 1), step) if src.direct else (0,))
+    ]
+
+    def run(task: tuple[int, int]) -> list[str]:
+        i, start = task
+        src = sources[i]
+        data = src.contiguous_bytes()
+        stop = start + step if src.direct else nbytes[i]
+        return segment_digests(buffer_of(data[start:stop]), segment)
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="unickpt-hash") as pool:
+        pieces = list(pool.map(run, tasks))
+    out: list[list[str]] = [[] for _ in sources]
+    for (i, _), sums in zip(tasks, pieces):
+        out[i] += sums
+    return [tuple(s) for s in out]

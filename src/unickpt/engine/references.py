@@ -1,0 +1,147 @@
+"""Reading an incremental checkpoint: its referenced files, served from their step folders.
+
+The assembled metadata of an incremental checkpoint names the files of earlier checkpoints as
+``../<step folder>/<data file>`` (:mod:`unickpt.format.references`). :func:`resolving` wraps
+the checkpoint's storage so that the read path opens those names like its own files: each one
+maps to ``(parent.child(step), data file)``, where ``parent`` is the folder holding the
+checkpoint (its Checkpointer root). A referenced step that is missing or uncommitted raises
+:class:`CheckpointCorruptError` naming it. Plain names go to the checkpoint's own storage, so
+a self-contained checkpoint reads exactly as before. Nothing is written through the wrapper.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+from ..errors import CheckpointCorruptError, CheckpointError
+from ..format.codec import decode_metadata
+from ..format.metadata import COMMIT_FILE
+from ..format.references import FileLocation, parse_reference
+from ..storage.base import Storage, WriteHandle, check_name
+from .commit import read_commit
+
+
+class ReferencingStorage(Storage):
+    """A checkpoint's storage that also reads the files its references name."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.min_part_bytes = inner.min_part_bytes
+        self.max_parts = inner.max_parts
+        self._steps: dict[str, Storage] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def location(self) -> str:
+        return self.inner.location
+
+    def _route(self, name: str) -> tuple[Storage, str]:
+        where = parse_reference(name)
+        if where is None:
+            return self.inner, name
+        return self._step(where), check_name(where.data)
+
+    def _step(self, where: FileLocation) -> Storage:
+        with self._lock:
+            found = self._steps.get(where.step)
+        if found is not None:
+            return found
+        parent = self.inner.parent()
+        if parent is None:
+            raise CheckpointError(
+                f"{self.inner.location} refers to step folder {where.step} beside it, but its "
+                "storage backend cannot open the folder holding it; copy the checkpoint with "
+                "`unickpt convert` to a self-contained one, or read it through a local path or URL."
+            )
+        step = parent.child(check_name(where.step))
+        if step.size(COMMIT_FILE) is None:
+            raise CheckpointCorruptError(
+                f"{self.inner.location} refers to bytes of step folder {where.step} "
+                f"({step.location}), which holds no committed checkpoint: the step it depends on "
+                "was deleted or its save did not finish. Load an earlier checkpoint."
+            )
+        with self._lock:
+            return self._steps.setdefault(where.step, step)
+
+    def child(self, name: str) -> Storage:
+        return self.inner.child(name)
+
+    def parent(self) -> Storage | None:
+        return self.inner.parent()
+
+    def list_names(self) -> list[str]:
+        return self.inner.list_names()
+
+    def size(self, name: str) -> int | None:
+        storage, local = self._route(name)
+        return storage.size(local)
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        storage, local = self._route(name)
+        storage.read_into(local, offset, out)
+
+    def read_bytes(self, name: str) -> bytes | None:
+        storage, local = self._route(name)
+        return storage.read_bytes(local)
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        self.inner.write_atomic(check_name(name), data)
+
+    def create(self, name: str, part_sizes: Sequence[int]) -> WriteHandle:
+        return self.inner.create(check_name(name), part_sizes)
+
+    def remove(self, name: str) -> None:
+        self.inner.remove(check_name(name))
+
+    def remove_tree(self, name: str) -> None:
+        self.inner.remove_tree(name)
+
+    def acquire_lock(self) -> Callable[[], None]:
+        return self.inner.acquire_lock()
+
+    def is_file(self) -> bool:
+        return self.inner.is_file()
+
+    def close(self) -> None:
+        with self._lock:
+            steps = list(self._steps.values())
+        for s in steps:
+            s.close()
+        self.inner.close()
+
+
+def resolving(storage: Storage) -> Storage:
+    """``storage`` able to read the files an incremental checkpoint in it refers to."""
+    return storage if isinstance(storage, ReferencingStorage) else ReferencingStorage(storage)
+
+
+def references_of(step: Storage) -> tuple[str, ...]:
+    """The step folders the committed checkpoint in ``step`` refers to (its global metadata
+    alone is read); empty when none, or when no committed checkpoint is there."""
+    record = read_commit(step)
+    if record is None:
+        return ()
+    raw = step.read_bytes(check_name(record.metadata_file))
+    if raw is None:
+        return ()
+    return decode_metadata(raw, f"{step.location}/{record.metadata_file}").references
+
+
+def needed_steps(root: Storage, kept: Sequence[str]) -> set[str]:
+    """The step folders under ``root`` that the checkpoints in ``kept`` refer to, directly or
+    through the ones they refer to (so that every step left listed still loads)."""
+    needed: set[str] = set()
+    todo = list(kept)
+    seen = set(todo)
+    while todo:
+        try:
+            refs = references_of(root.child(todo.pop()))
+        except CheckpointError:
+            continue  # a damaged checkpoint is skipped by loads; it protects nothing
+        for step in refs:
+            needed.add(step)
+            if step not in seen:
+                seen.add(step)
+                todo.append(step)
+    return needed

@@ -15,11 +15,13 @@ from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsafeObje
 from ..format.dtypes import dtype_name
 from ..format.metadata import Metadata
 from ..format.values import decode_value
+from ..planning.exchange_plan import RankNeeds, plan_exchange
 from ..planning.flatten import Flattened, flatten_state
 from ..planning.load_plan import ChunkIndex, ReadItem, plan_reads, uncovered_elements
 from ..storage.base import Storage
 from .commit import read_checkpoint
-from .read import ReadStats, execute_reads
+from .exchange import ExchangeStats, amplified_items, rank_needs, run_exchange
+from .read import aligned_piece_bytes, execute_reads
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,7 @@ class LoadReport:
     bytes_read: int
     bytes_wanted: int
     skipped_keys: tuple[str, ...]
+    bytes_from_peers: int = 0
 
 
 @dataclass
@@ -49,7 +52,7 @@ def load(
     allow_pickle: bool,
     config: Config,
 ) -> LoadReport:
-    def prepare() -> tuple[_Plan, None]:
+    def prepare() -> tuple[_Plan, RankNeeds | None]:
         _, meta = read_checkpoint(storage)
         if meta.pickled_keys and not allow_pickle:
             raise UnsafeObjectError(
@@ -61,22 +64,68 @@ def load(
         skipped = _check_keys(meta, flat, strict, comm)
         reads = _plan_all_reads(meta, flat)
         _check_files(storage, meta, reads)
-        return _Plan(meta, flat, reads, skipped), None
+        needs = None
+        if comm.world_size > 1:
+            needs = rank_needs(storage, reads, config.verify, meta.segment_bytes)
+        return _Plan(meta, flat, reads, skipped), needs
 
-    plan, _ = run_step(comm, "planning the load", prepare)
+    plan, offers = run_step(comm, "planning the load", prepare)
 
-    def place() -> tuple[ReadStats, None]:
+    def place() -> tuple[LoadReport | None, None]:
         with torch.no_grad():
+            shared = _exchange(comm, storage, plan, offers, config)
+            if shared is None:
+                return None, None  # another rank failed; the step raises its error
             stats = execute_reads(
-                storage, plan.reads, config, config.verify, plan.meta.segment_bytes
+                storage, shared.local, config, config.verify, plan.meta.segment_bytes
             )
         _set_values(plan, comm, strict, allow_pickle)
         for adapter, template in sorted(plan.flat.stateful, key=lambda a: a[0].order):
             adapter.load_state_dict(template)
-        return stats, None
+        x = shared.stats
+        return LoadReport(
+            stats.bytes_read + x.bytes_read,
+            stats.bytes_wanted + x.bytes_wanted,
+            plan.skipped,
+            x.bytes_from_peers,
+        ), None
 
-    stats, _ = run_step(comm, "loading", place)
-    return LoadReport(stats.bytes_read, stats.bytes_wanted, plan.skipped)
+    report, _ = run_step(comm, "loading", place)
+    assert report is not None
+    return report
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """The exchange's figures, and the read items left for this rank to read on its own."""
+
+    stats: ExchangeStats
+    local: list[ReadItem]
+
+
+def _exchange(
+    comm: Comm,
+    storage: Storage,
+    plan: _Plan,
+    offers: list[RankNeeds | None],
+    config: Config,
+) -> _Shared | None:
+    """Read the chunks that ranks of one host share once, and return what is left to read."""
+    none = _Shared(ExchangeStats(0, 0, 0), plan.reads)
+    if not any(o is not None and o.needs for o in offers):
+        return none
+    seg = plan.meta.segment_bytes
+    piece = aligned_piece_bytes(config.read_piece_bytes, seg)
+    unit = aligned_piece_bytes(piece // config.io_threads, seg)
+    xplan = plan_exchange(offers, plan.meta.tensors, plan.meta.files, seg, unit, piece)
+    if not xplan.units:
+        return none
+    needed = amplified_items(plan.reads, config.verify, seg)
+    stats = run_exchange(comm, storage, xplan, needed, config, config.verify, seg)
+    if stats is None:
+        return None
+    done = {id(needed[i]) for i in xplan.exchanged(comm.rank)}
+    return _Shared(stats, [r for r in plan.reads if id(r) not in done])
 
 
 def _few(keys: list[str], n: int = 8) -> str:

@@ -16,6 +16,7 @@ memory (files under ``/dev/shm``, removed as soon as every rank has mapped them)
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import socket
 import uuid
@@ -188,19 +189,20 @@ class _Buffers:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             self.paths.append(path)
             try:
-                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)
+                self.own.append(_mapped(fd, size))
             finally:
                 os.close(fd)
-            self.own.append(torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
 
     def open_peers(self, owners: set[int]) -> None:
         for owner in sorted(owners - {self.rank}):
             size = self.plan.buffer_bytes[owner]
             for parity in (0, 1):
-                path = self._path(owner, parity)
-                self.peers[owner, parity] = torch.from_file(
-                    path, shared=True, size=size, dtype=torch.uint8
-                )
+                fd = os.open(self._path(owner, parity), os.O_RDWR)
+                try:
+                    self.peers[owner, parity] = _mapped(fd, size)
+                finally:
+                    os.close(fd)
 
     def of(self, owner: int, parity: int) -> torch.Tensor:
         return self.own[parity] if owner == self.rank else self.peers[owner, parity]
@@ -211,3 +213,10 @@ class _Buffers:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self.paths = []
+
+
+def _mapped(fd: int, size: int) -> torch.Tensor:
+    """The file's bytes as a uint8 tensor, mapped shared with its pages populated up front (one
+    call instead of a page fault per 4 KiB while reading or copying)."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return torch.frombuffer(mmap.mmap(fd, size, flags=flags), dtype=torch.uint8)

@@ -65,7 +65,7 @@ def load(
         reads = _plan_all_reads(meta, flat)
         _check_files(storage, meta, reads)
         needs = None
-        if comm.world_size > 1:
+        if comm.world_size > 1 and config.share_reads:
             needs = rank_needs(storage, reads, config.verify, meta.segment_bytes)
         return _Plan(meta, flat, reads, skipped), needs
 
@@ -115,9 +115,10 @@ def _exchange(
     if not any(o is not None and o.needs for o in offers):
         return none
     seg = plan.meta.segment_bytes
-    piece = aligned_piece_bytes(config.read_piece_bytes, seg)
-    unit = aligned_piece_bytes(piece // config.io_threads, seg)
-    xplan = plan_exchange(offers, plan.meta.tensors, plan.meta.files, seg, unit, piece)
+    unit = aligned_piece_bytes(config.read_piece_bytes // 16, seg)
+    xplan = plan_exchange(
+        offers, plan.meta.tensors, plan.meta.files, seg, unit, unit * config.io_threads
+    )
     if not xplan.units:
         return none
     needed = amplified_items(plan.reads, config.verify, seg)

@@ -78,9 +78,14 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) ->
                      wanted=report.bytes_wanted, peers=report.bytes_from_peers)
             )  # fmt: skip
     reference = _state(shapes, mesh, 1, fill=True)
-    equal = all(torch.equal(dests["reshard"][k].to_local(), reference[k].to_local()) for k in shapes)
+    got = dests["reshard"]
+    equal = all(torch.equal(got[k].to_local(), reference[k].to_local()) for k in shapes)
     q.put((rank, rows, equal))
     dist.destroy_process_group()
+
+
+def _slowest(per_rank: list[list[dict[str, Any]]], run: int, case: str) -> float:
+    return max(r["s"] for rows in per_rank for r in rows if (r["run"], r["case"]) == (run, case))
 
 
 def _summary(per_rank: list[list[dict[str, Any]]], runs: int) -> dict[str, Any]:
@@ -89,9 +94,8 @@ def _summary(per_rank: list[list[dict[str, Any]]], runs: int) -> dict[str, Any]:
     for case in CASES:
         times, ratios = [], []
         for run in range(1, runs + 1):
-            times.append(max(r["s"] for rows in per_rank for r in rows if (r["run"], r["case"]) == (run, case)))
-            same = max(r["s"] for rows in per_rank for r in rows if (r["run"], r["case"]) == (run, "same"))
-            ratios.append(times[-1] / same)
+            times.append(_slowest(per_rank, run, case))
+            ratios.append(times[-1] / _slowest(per_rank, run, "same"))
         last = [r for rows in per_rank for r in rows if (r["run"], r["case"]) == (runs, case)]
         out[case] = dict(
             median_s=statistics.median(times), min_s=min(times), max_s=max(times),

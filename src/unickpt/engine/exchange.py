@@ -59,26 +59,18 @@ def host_group(storage: Storage) -> str | None:
 
 def rank_needs(
     storage: Storage, items: Sequence[ReadItem], verify: bool, segment: int
-) -> RankNeeds:
-    """The items this rank would read more bytes for than it needs, as the exchange plans them."""
-    needs = []
+) -> tuple[RankNeeds, list[ReadItem]]:
+    """The items this rank would read more bytes for than it needs, as the exchange plans them
+    (need ``i`` is item ``i`` of the returned list)."""
+    needs, needed = [], []
     for item in items:
         if is_direct(item):
             continue
         cost = local_read_bytes(item, verify, segment)
         if cost > item.region.numel * item.dest.element_size():
             needs.append(Need(item.key, item.file, item.chunk.byte_offset, item.region, cost))
-    return RankNeeds(host_group(storage), uuid.uuid4().hex, tuple(needs))
-
-
-def amplified_items(items: Sequence[ReadItem], verify: bool, segment: int) -> list[ReadItem]:
-    """The items that :func:`rank_needs` reports, in its order."""
-    return [
-        i
-        for i in items
-        if not is_direct(i)
-        and local_read_bytes(i, verify, segment) > i.region.numel * i.dest.element_size()
-    ]
+            needed.append(item)
+    return RankNeeds(host_group(storage), uuid.uuid4().hex, tuple(needs)), needed
 
 
 def run_exchange(

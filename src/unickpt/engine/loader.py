@@ -20,7 +20,7 @@ from ..planning.flatten import Flattened, flatten_state
 from ..planning.load_plan import ChunkIndex, ReadItem, plan_reads, uncovered_elements
 from ..storage.base import Storage
 from .commit import read_checkpoint
-from .exchange import ExchangeStats, amplified_items, rank_needs, run_exchange
+from .exchange import ExchangeStats, rank_needs, run_exchange
 from .read import aligned_piece_bytes, execute_reads
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class _Plan:
     flat: Flattened
     reads: list[ReadItem]
     skipped: tuple[str, ...]
+    needed: list[ReadItem]
 
 
 def load(
@@ -64,10 +65,11 @@ def load(
         skipped = _check_keys(meta, flat, strict, comm)
         reads = _plan_all_reads(meta, flat)
         _check_files(storage, meta, reads)
-        needs = None
+        needs: RankNeeds | None = None
+        needed: list[ReadItem] = []
         if comm.world_size > 1 and config.share_reads:
-            needs = rank_needs(storage, reads, config.verify, meta.segment_bytes)
-        return _Plan(meta, flat, reads, skipped), needs
+            needs, needed = rank_needs(storage, reads, config.verify, meta.segment_bytes)
+        return _Plan(meta, flat, reads, skipped, needed), needs
 
     plan, offers = run_step(comm, "planning the load", prepare)
 
@@ -121,11 +123,10 @@ def _exchange(
     )
     if not xplan.units:
         return none
-    needed = amplified_items(plan.reads, config.verify, seg)
-    stats = run_exchange(comm, storage, xplan, needed, config, config.verify, seg)
+    stats = run_exchange(comm, storage, xplan, plan.needed, config, config.verify, seg)
     if stats is None:
         return None
-    done = {id(needed[i]) for i in xplan.exchanged(comm.rank)}
+    done = {id(plan.needed[i]) for i in xplan.exchanged(comm.rank)}
     return _Shared(stats, [r for r in plan.reads if id(r) not in done])
 
 

@@ -14,6 +14,14 @@ import unickpt
 from tests.api.layouts_zoo import mesh
 from tests.distributed import run_ranks
 from unickpt.config import get_config
+from unickpt.dist import Comm
+from unickpt.engine import exchange
+from unickpt.engine.commit import read_checkpoint
+from unickpt.engine.exchange import rank_needs, run_exchange
+from unickpt.layouts.boxes import Box
+from unickpt.planning.exchange_plan import RankNeeds, plan_exchange
+from unickpt.planning.load_plan import plan_reads
+from unickpt.storage import LocalStorage
 
 SEG = 4096
 
@@ -71,6 +79,47 @@ def _loads(rank: int, world: int, root: str) -> dict[str, Any]:
     except unickpt.CheckpointError as e:
         out["damaged"] = (type(e).__name__, str(e))
     out["leftovers"] = [n for n in os.listdir("/dev/shm") if n.startswith("unickpt-load-")]
+    out.update(_without_shared_memory(f"{root}/intact", world, small))
+    return out
+
+
+def _without_shared_memory(path: str, world: int, config: Any) -> dict[str, Any]:
+    """No /dev/shm: the load reads alone; buffers refused mid-load: every rank reads alone."""
+    unickpt.save(path, _state(0, world, fill=True), config=config)
+    exchange.SHM_DIR = "/nonexistent-shm"
+    try:
+        dest = _state(1, world, fill=False)
+        report = unickpt.load(path, dest, config=config)
+        out: dict[str, Any] = {"no shm": (_equal(dest, world), report.bytes_read)}
+        # Ranks grouped as one host, but creating the buffers fails on every owner.
+        storage = LocalStorage(path)
+        _, meta = read_checkpoint(storage)
+        dest = _state(1, world, fill=False)
+        items = [
+            i
+            for k, t in dest.items()
+            for i in plan_reads(k, meta.tensors[k], meta.files, [(_box(t), t.to_local())])
+        ]
+        needs, needed = rank_needs(storage, items, True, meta.segment_bytes)
+        offers = [RankNeeds("host", n.token, n.needs) for n in _all_gather(needs)]
+        plan = plan_exchange(offers, meta.tensors, meta.files, SEG, SEG, 4 * SEG)
+        stats = run_exchange(Comm(), storage, plan, needed, config, True, meta.segment_bytes)
+        out["refused"] = (len(plan.units) > 0, stats)
+    finally:
+        exchange.SHM_DIR = "/dev/shm"
+    return out
+
+
+def _box(t: Any) -> Box:
+    local = t.to_local()
+    offsets = [0] * local.dim()
+    offsets[1] = dist.get_rank() * t.shape[1] // dist.get_world_size()
+    return Box(tuple(offsets), tuple(local.shape))
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
     return out
 
 
@@ -95,3 +144,7 @@ def test_shard0_into_shard1_reads_every_byte_once_and_finds_damage(tmp_path: Pat
     assert kind == "CheckpointCorruptError"
     assert "loading failed on 1 of 2 ranks" in message and "checksum mismatch" in message
     assert [r["leftovers"] for r in results] == [[], []]
+    # Without shared memory every rank reads alone, with the same values.
+    assert [r["no shm"] for r in results] == [(True, total), (True, total)]
+    refused = [r["refused"] for r in results]
+    assert all(has_units and stats is not None and not stats.shared for has_units, stats in refused)

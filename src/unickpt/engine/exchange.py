@@ -16,6 +16,7 @@ memory (files under ``/dev/shm``, removed as soon as every rank has mapped them)
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import socket
@@ -35,13 +36,18 @@ from ..storage.base import Storage
 from .read import ChunkRef, is_direct, local_read_bytes, read_chunk_bytes
 
 SHM_DIR = "/dev/shm"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ExchangeStats:
+    """What the exchange did on this rank. ``shared`` is False when shared memory could not be
+    set up on some rank: then no item was filled and the caller reads every item alone."""
+
     bytes_read: int
     bytes_wanted: int
     bytes_from_peers: int
+    shared: bool = True
 
 
 def host_group(storage: Storage) -> str | None:
@@ -83,7 +89,8 @@ def run_exchange(
     segment: int,
 ) -> ExchangeStats | None:
     """Fill this rank's exchanged items (``needed[i]`` for need ``i``); None when another rank
-    failed (that rank raises)."""
+    failed (that rank raises). When a rank cannot create or map the buffers (``/dev/shm`` full
+    or not shared after all), every rank stops and reads alone (``shared`` is False)."""
     buffers = _Buffers(plan, comm.rank)
     mine = [u for u in plan.units if any(p.rank == comm.rank for p in u.parts)]
     owned = [u for u in plan.units if u.owner == comm.rank]
@@ -91,36 +98,51 @@ def run_exchange(
     try:
         with ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-xchg") as pool:
             for step in range(plan.rounds + 1):
-                tasks: list[Callable[[], tuple[int, int, int]]] = []
                 failure: RankFailure | None = None
                 caught: BaseException | None = None
+                unavailable = False
                 try:
-                    if step == 0:
-                        buffers.create()
-                    if step == 1:
-                        buffers.open_peers({u.owner for u in mine})
-                    tasks += [
-                        _copier(buffers, u, needed, comm.rank) for u in mine if u.round == step - 1
-                    ]
-                    tasks += [
-                        _reader(storage, buffers, u, verify, segment)
-                        for u in owned
-                        if u.round == step
-                    ]
-                    for counts in pool.map(lambda t: t(), tasks):
-                        totals = [a + b for a, b in zip(totals, counts)]
+                    if _set_up(buffers, step, {u.owner for u in mine}):
+                        tasks = [_copier(buffers, u, needed, comm.rank) for u in mine
+                                 if u.round == step - 1]  # fmt: skip
+                        tasks += [_reader(storage, buffers, u, verify, segment) for u in owned
+                                  if u.round == step]  # fmt: skip
+                        for counts in pool.map(lambda t: t(), tasks):
+                            totals = [a + b for a, b in zip(totals, counts)]
+                    else:
+                        unavailable = True
                 except Exception as e:  # noqa: BLE001 - every failure is reported to every rank
                     failure, caught = failure_of(comm.rank, e), e
-                failures = comm.all_gather(failure)
+                gathered = comm.all_gather((failure, unavailable))
                 if step >= 1:
                     buffers.unlink()
-                if any(f is not None for f in failures):
+                if any(f is not None for f, _ in gathered):
                     if caught is not None:
                         raise caught
                     return None
+                if any(u for _, u in gathered):
+                    log.warning(
+                        "shared memory for the load's exchange is unavailable on a rank "
+                        "(/dev/shm full or not shared); every rank reads alone"
+                    )
+                    return ExchangeStats(totals[0], 0, 0, shared=False)
     finally:
         buffers.unlink()
-    return ExchangeStats(*totals)
+    return ExchangeStats(totals[0], totals[1], totals[2])
+
+
+def _set_up(buffers: _Buffers, step: int, owners: set[int]) -> bool:
+    """Create this rank's buffers (step 0), map the others' (step 1); False if the host's shared
+    memory refused."""
+    try:
+        if step == 0:
+            buffers.create()
+        if step == 1:
+            buffers.open_peers(owners)
+    except OSError as e:
+        log.debug("exchange buffers unavailable: %s", e)
+        return False
+    return True
 
 
 def _reader(

@@ -126,6 +126,8 @@ def _exchange(
     stats = run_exchange(comm, storage, xplan, plan.needed, config, config.verify, seg)
     if stats is None:
         return None
+    if not stats.shared:
+        return _Shared(stats, plan.reads)
     done = {id(plan.needed[i]) for i in xplan.exchanged(comm.rank)}
     return _Shared(stats, [r for r in plan.reads if id(r) not in done])
 

@@ -100,7 +100,7 @@ def _without_shared_memory(path: str, world: int, config: Any) -> dict[str, Any]
             for k, t in dest.items()
             for i in plan_reads(k, meta.tensors[k], meta.files, [(_box(t), t.to_local())])
         ]
-        needs, needed = rank_needs(storage, items, True, meta.segment_bytes)
+        needs, needed = rank_needs(storage, items, True, meta.segment_bytes, world)
         offers = [RankNeeds("host", n.token, n.needs) for n in _all_gather(needs)]
         plan = plan_exchange(offers, meta.tensors, meta.files, SEG, SEG, 4 * SEG)
         stats = run_exchange(Comm(), storage, plan, needed, config, True, meta.segment_bytes)

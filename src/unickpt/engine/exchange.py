@@ -36,6 +36,7 @@ from ..storage.base import Storage
 from .read import ChunkRef, is_direct, local_read_bytes, read_chunk_bytes
 
 SHM_DIR = "/dev/shm"
+MAX_GATHERED_NEEDS = 200_000
 log = logging.getLogger(__name__)
 
 
@@ -64,10 +65,12 @@ def host_group(storage: Storage) -> str | None:
 
 
 def rank_needs(
-    storage: Storage, items: Sequence[ReadItem], verify: bool, segment: int
+    storage: Storage, items: Sequence[ReadItem], verify: bool, segment: int, world_size: int
 ) -> tuple[RankNeeds, list[ReadItem]]:
     """The items this rank would read more bytes for than it needs, as the exchange plans them
-    (need ``i`` is item ``i`` of the returned list)."""
+    (need ``i`` is item ``i`` of the returned list). Every rank receives every rank's needs, so
+    a rank whose needs times the world size exceed ``MAX_GATHERED_NEEDS`` reports none and reads
+    alone (large worlds, until needs are gathered per host)."""
     needs, needed = [], []
     for item in items:
         if is_direct(item):
@@ -76,6 +79,8 @@ def rank_needs(
         if cost > item.region.numel * item.dest.element_size():
             needs.append(Need(item.key, item.file, item.chunk.byte_offset, item.region, cost))
             needed.append(item)
+    if len(needs) * world_size > MAX_GATHERED_NEEDS:
+        return RankNeeds(None, "", ()), []
     return RankNeeds(host_group(storage), uuid.uuid4().hex, tuple(needs)), needed
 
 

@@ -68,7 +68,9 @@ def load(
         needs: RankNeeds | None = None
         needed: list[ReadItem] = []
         if comm.world_size > 1 and config.share_reads:
-            needs, needed = rank_needs(storage, reads, config.verify, meta.segment_bytes)
+            needs, needed = rank_needs(
+                storage, reads, config.verify, meta.segment_bytes, comm.world_size
+            )
         return _Plan(meta, flat, reads, skipped, needed), needs
 
     plan, offers = run_step(comm, "planning the load", prepare)

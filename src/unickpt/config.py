@@ -22,6 +22,7 @@ class Config:
     sync_staging_bytes: int = 256 * MiB
     read_piece_bytes: int = 64 * MiB
     verify: bool = True
+    share_reads: bool = True
     collective_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:

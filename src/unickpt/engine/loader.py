@@ -14,6 +14,7 @@ from ..dist import Comm, run_step
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsafeObjectError
 from ..format.metadata import Metadata
 from ..format.values import decode_value
+from ..planning.exchange_plan import RankNeeds, plan_exchange
 from ..planning.flatten import Flattened, flatten_state
 from ..planning.load_keys import (
     KeyMatch,
@@ -25,7 +26,8 @@ from ..planning.load_keys import (
 from ..planning.load_plan import ReadItem, check_chunks_tile, plan_reads
 from ..storage.base import Storage
 from .commit import read_checkpoint
-from .read import ReadStats, execute_reads
+from .exchange import ExchangeStats, rank_needs, run_exchange
+from .read import aligned_piece_bytes, execute_reads
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +40,14 @@ class LoadReport:
     checkpoint, or a different kind, shape or dtype there; strict=False only).
     ``unread_keys``: saved keys under the loaded top-level keys that no rank's state asked for
     (strict=False only; a strict load refuses them).
+    ``bytes_from_peers``: bytes this rank took from buffers other ranks of its host read.
     """
 
     bytes_read: int
     bytes_wanted: int
     skipped_keys: tuple[str, ...]
     unread_keys: tuple[str, ...] = ()
+    bytes_from_peers: int = 0
 
 
 @dataclass
@@ -54,6 +58,7 @@ class _Plan:
     saved: SavedKeys
     reads: list[ReadItem] = field(default_factory=list)
     unread: list[str] = field(default_factory=list)
+    needed: list[ReadItem] = field(default_factory=list)
 
 
 def load(
@@ -83,7 +88,7 @@ def load(
     plan, _ = run_step(comm, "planning the load", match)
     asked = comm.max_across(plan.saved.asked(plan.flat, plan.match))
 
-    def prepare() -> tuple[None, None]:
+    def prepare() -> tuple[None, RankNeeds | None]:
         plan.unread = plan.saved.unread(asked)
         if strict and plan.unread:
             message = unread_message(plan.meta, plan.unread, plan.flat.numbered, comm.world_size)
@@ -94,22 +99,73 @@ def load(
                 warnings.warn(warning, stacklevel=5)
         plan.reads = _plan_all_reads(plan)
         _check_files(storage, plan.meta, plan.reads)
-        return None, None
+        needs: RankNeeds | None = None
+        if comm.world_size > 1 and config.share_reads:
+            needs, plan.needed = rank_needs(
+                storage, plan.reads, config.verify, plan.meta.segment_bytes, comm.world_size
+            )
+        return None, needs
 
-    run_step(comm, "planning the load", prepare)
+    _, offers = run_step(comm, "planning the load", prepare)
 
-    def place() -> tuple[ReadStats, None]:
+    def place() -> tuple[LoadReport | None, None]:
         with torch.no_grad():
+            shared = _exchange(comm, storage, plan, offers, config)
+            if shared is None:
+                return None, None  # another rank failed; the step raises its error
             stats = execute_reads(
-                storage, plan.reads, config, config.verify, plan.meta.segment_bytes
+                storage, shared.local, config, config.verify, plan.meta.segment_bytes
             )
         _set_values(plan, comm, allow_pickle)
         for adapter, template in sorted(plan.flat.stateful, key=lambda a: a[0].order):
             adapter.load_state_dict(template)
-        return stats, None
+        x = shared.stats
+        return LoadReport(
+            stats.bytes_read + x.bytes_read,
+            stats.bytes_wanted + x.bytes_wanted,
+            plan.match.skipped,
+            tuple(plan.unread),
+            x.bytes_from_peers,
+        ), None
 
-    stats, _ = run_step(comm, "loading", place)
-    return LoadReport(stats.bytes_read, stats.bytes_wanted, plan.match.skipped, tuple(plan.unread))
+    report, _ = run_step(comm, "loading", place)
+    assert report is not None
+    return report
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """The exchange's figures, and the read items left for this rank to read on its own."""
+
+    stats: ExchangeStats
+    local: list[ReadItem]
+
+
+def _exchange(
+    comm: Comm,
+    storage: Storage,
+    plan: _Plan,
+    offers: list[RankNeeds | None],
+    config: Config,
+) -> _Shared | None:
+    """Read the chunks that ranks of one host share once, and return what is left to read."""
+    none = _Shared(ExchangeStats(0, 0, 0), plan.reads)
+    if not any(o is not None and o.needs for o in offers):
+        return none
+    seg = plan.meta.segment_bytes
+    unit = aligned_piece_bytes(config.read_piece_bytes // 16, seg)
+    xplan = plan_exchange(
+        offers, plan.meta.tensors, plan.meta.files, seg, unit, unit * config.io_threads
+    )
+    if not xplan.units:
+        return none
+    stats = run_exchange(comm, storage, xplan, plan.needed, config, config.verify, seg)
+    if stats is None:
+        return None
+    if not stats.shared:
+        return _Shared(stats, plan.reads)
+    done = {id(plan.needed[i]) for i in xplan.exchanged(comm.rank)}
+    return _Shared(stats, [r for r in plan.reads if id(r) not in done])
 
 
 def _check_per_rank(meta: Metadata, flat: Flattened, comm: Comm) -> None:

@@ -19,7 +19,9 @@ import torch
 from ..config import Config
 from ..errors import CheckpointCorruptError
 from ..format.dtypes import buffer_of, byte_view, itemsize
+from ..format.metadata import ChunkMeta
 from ..layouts.boxes import Box, contiguous_runs, row_major_strides
+from ..planning.exchange_plan import flat_span
 from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
 from .checksum import digest
@@ -67,7 +69,7 @@ def aligned_piece_bytes(piece_bytes: int, segment_bytes: int) -> int:
 
 def _tasks(item: ReadItem, piece_bytes: int) -> list[tuple[ReadItem, int, int]]:
     """Direct items become byte ranges of ``piece_bytes``; others one task each."""
-    if not _is_direct(item):
+    if not is_direct(item):
         return [(item, -1, -1)]
     n = item.chunk.nbytes
     return [(item, a, min(a + piece_bytes, n)) for a in range(0, n, piece_bytes)]
@@ -76,7 +78,7 @@ def _tasks(item: ReadItem, piece_bytes: int) -> list[tuple[ReadItem, int, int]]:
 def _split(item: ReadItem, max_bytes: int) -> list[ReadItem]:
     """Cut an item whose region exceeds ``max_bytes`` along its leading dimensions."""
     size = item.dest.element_size()
-    if item.region.numel * size <= max_bytes or _is_direct(item):
+    if item.region.numel * size <= max_bytes or is_direct(item):
         return [item]
     return [
         ReadItem(item.key, item.file, item.chunk, sub, item.dest[sub.relative_to(item.region)])
@@ -110,7 +112,67 @@ def split_box(box: Box, max_numel: int) -> list[Box]:
     return out
 
 
-def _is_direct(item: ReadItem) -> bool:
+@dataclass(frozen=True)
+class ChunkRef:
+    """A saved chunk and where it lies, as error messages name it."""
+
+    key: str
+    file: str
+    chunk: ChunkMeta
+
+
+def read_chunk_bytes(
+    storage: Storage, ref: ChunkRef, start: int, out: torch.Tensor, verify: bool, segment: int
+) -> None:
+    """Read bytes ``[start, start + len(out))`` of a chunk into the uint8 tensor ``out``; with
+    ``verify``, ``start`` is segment-aligned and every segment's checksum is checked."""
+    storage.read_into(ref.file, ref.chunk.byte_offset + start, buffer_of(out))
+    if verify and ref.chunk.checksums:
+        _check(ref, start, out, segment)
+
+
+def _check(ref: ChunkRef, start: int, data: torch.Tensor, seg: int) -> None:
+    mv = buffer_of(data)
+    sums = ref.chunk.checksums
+    for pos in range(0, len(mv), seg):
+        index = (start + pos) // seg
+        found = digest(mv[pos : pos + seg])
+        expected = sums[index] if index < len(sums) else None
+        if found != expected:
+            lo = ref.chunk.byte_offset + start + pos
+            hi = lo + min(seg, len(mv) - pos)
+            raise CheckpointCorruptError(
+                f"checksum mismatch in {ref.file} bytes [{lo}, {hi}) holding tensor "
+                f"'{ref.key}' (chunk at offsets {list(ref.chunk.offsets)}): expected "
+                f"{expected}, found {found}. The file is damaged; load an earlier checkpoint "
+                "or pass verify=False to load it anyway."
+            )
+
+
+def region_read(item: ReadItem, verify: bool, segment: int) -> tuple[str, int, int]:
+    """How the reader reads a region of a chunk alone: ``("span", lo, hi)`` (one read of chunk
+    bytes ``[lo, hi)``, whole segments when verifying) or ``("runs", first, end)``."""
+    size = item.dest.element_size()
+    first, end = flat_span(item.chunk, item.region)
+    if verify and item.chunk.checksums:
+        lo = first * size // segment * segment
+        hi = min(math.ceil(end * size / segment) * segment, item.chunk.nbytes)
+        return "span", lo, hi
+    starts, run = contiguous_runs(item.chunk.box, item.region)
+    if len(starts) > _MANY_RUNS and run * size < _SMALL_RUN_BYTES:
+        return "span", first * size, end * size
+    return "runs", first * size, end * size
+
+
+def local_read_bytes(item: ReadItem, verify: bool, segment: int) -> int:
+    """Bytes the reader reads to fill ``item`` on its own."""
+    if is_direct(item):
+        return item.chunk.nbytes
+    how, lo, hi = region_read(item, verify, segment)
+    return hi - lo if how == "span" else item.region.numel * item.dest.element_size()
+
+
+def is_direct(item: ReadItem) -> bool:
     return (
         item.region == item.chunk.box
         and item.dest.device.type == "cpu"
@@ -132,40 +194,23 @@ class _Reader:
 
     def _read_verified(self, item: ReadItem, start: int, out: torch.Tensor) -> None:
         """Read chunk bytes ``[start, start + len(out))`` (segment-aligned when verifying)."""
-        self.storage.read_into(item.file, item.chunk.byte_offset + start, buffer_of(out))
-        if self.verify and item.chunk.checksums:
-            self._check(item, start, out)
-
-    def _check(self, item: ReadItem, start: int, data: torch.Tensor) -> None:
-        seg = self.segment
-        mv = buffer_of(data)
-        for pos in range(0, len(mv), seg):
-            index = (start + pos) // seg
-            found = digest(mv[pos : pos + seg])
-            expected = item.chunk.checksums[index] if index < len(item.chunk.checksums) else None
-            if found != expected:
-                lo = item.chunk.byte_offset + start + pos
-                hi = lo + min(seg, len(mv) - pos)
-                raise CheckpointCorruptError(
-                    f"checksum mismatch in {item.file} bytes [{lo}, {hi}) holding tensor "
-                    f"'{item.key}' (chunk at offsets {list(item.chunk.offsets)}): expected "
-                    f"{expected}, found {found}. The file is damaged; load an earlier checkpoint "
-                    "or pass verify=False to load it anyway."
-                )
+        read_chunk_bytes(
+            self.storage,
+            ChunkRef(item.key, item.file, item.chunk),
+            start,
+            out,
+            self.verify,
+            self.segment,
+        )
 
     def _read_region(self, item: ReadItem) -> int:
-        size = item.dest.element_size()
+        how, lo, hi = region_read(item, self.verify, self.segment)
+        if how == "span":
+            return self._read_span(item, lo, hi)
         starts, run = contiguous_runs(item.chunk.box, item.region)
-        first, end = int(starts[0]) * size, (int(starts[-1]) + run) * size
-        if self.verify and item.chunk.checksums:
-            lo = first // self.segment * self.segment
-            hi = min(math.ceil(end / self.segment) * self.segment, item.chunk.nbytes)
-            return self._read_span(item, lo, hi, int(starts[0]))
-        if len(starts) > _MANY_RUNS and run * size < _SMALL_RUN_BYTES:
-            return self._read_span(item, first, end, int(starts[0]))
-        return self._read_runs(item, [int(s) for s in starts], run * size)
+        return self._read_runs(item, [int(s) for s in starts], run * item.dest.element_size())
 
-    def _read_span(self, item: ReadItem, lo: int, hi: int, first_elem: int) -> int:
+    def _read_span(self, item: ReadItem, lo: int, hi: int) -> int:
         buf = torch.empty(hi - lo, dtype=torch.uint8)
         self._read_verified(item, lo, buf)
         typed = buf.view(item.dest.dtype)
@@ -173,7 +218,7 @@ class _Reader:
             typed,
             item.region.lengths,
             row_major_strides(item.chunk.lengths),
-            first_elem - lo // item.dest.element_size(),
+            flat_span(item.chunk, item.region)[0] - lo // item.dest.element_size(),
         )
         item.dest.copy_(src)
         return hi - lo

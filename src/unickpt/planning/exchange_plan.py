@@ -1,0 +1,215 @@
+"""Read once, share on the host: which rank reads which part of a chunk that several ranks need.
+
+When a rank needs only part of a saved chunk (a load into another layout), reading that part
+alone costs more than its bytes: checksums cover whole segments, and many short runs are read
+as one span. When several ranks on one host need parts of the same chunk, each would read and
+hash the same segments. Instead the chunk is cut into *units* (segment-aligned byte ranges of
+at most ``unit_bytes``); one rank, the *owner*, reads and verifies each unit once into a host
+shared-memory buffer, and every rank copies its parts out of it.
+
+The plan is a pure function of what every rank reported (its host group and the read items it
+would amplify), so every rank computes the same plan without another exchange.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..format.dtypes import dtype_from_name, itemsize
+from ..format.metadata import ChunkMeta, TensorMeta
+from ..layouts.boxes import Box, flat_range_to_boxes, row_major_strides
+
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Need:
+    """A part of a saved chunk that one rank needs, and what reading it alone would cost."""
+
+    key: str
+    file: str
+    byte_offset: int
+    region: Box
+    local_bytes: int
+
+
+@dataclass(frozen=True)
+class RankNeeds:
+    """What one rank reports: its host group (None: shares nothing) and its amplified needs."""
+
+    group: str | None
+    token: str
+    needs: tuple[Need, ...]
+
+
+@dataclass(frozen=True)
+class Part:
+    """``box`` (global coordinates) of a unit goes to need ``need`` of ``rank``."""
+
+    rank: int
+    need: int
+    box: Box
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Bytes ``[lo, hi)`` of ``chunk``, read by ``owner`` in ``round`` at ``offset`` of its
+    buffer (``round % 2`` of two) and copied out in ``parts``."""
+
+    key: str
+    file: str
+    chunk: ChunkMeta
+    itemsize: int
+    lo: int
+    hi: int
+    owner: int
+    round: int
+    offset: int
+    parts: tuple[Part, ...]
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    units: tuple[Unit, ...]
+    rounds: int
+    buffer_bytes: dict[int, int]
+    tokens: dict[int, str]
+
+    def exchanged(self, rank: int) -> frozenset[int]:
+        """Indices of ``rank``'s needs that the exchange fills."""
+        return frozenset(p.need for u in self.units for p in u.parts if p.rank == rank)
+
+
+def plan_exchange(
+    offers: Sequence[RankNeeds | None],
+    tensors: dict[str, TensorMeta],
+    files: Sequence[str],
+    segment_bytes: int,
+    unit_bytes: int,
+    round_bytes: int,
+) -> ExchangePlan:
+    """Units for every chunk that two or more ranks of one host group need parts of, where
+    reading it once costs fewer bytes than each rank reading its parts alone; owners balanced."""
+    units: list[Unit] = []
+    load: dict[int, int] = {}
+    for ranks in _groups(offers).values():
+        for (key, file, offset), needs in sorted(_by_chunk(offers, ranks).items()):
+            if len({r for r, _, _ in needs}) < 2:
+                continue
+            meta = tensors[key]
+            chunk = _chunk(meta, files, file, offset)
+            size = itemsize(dtype_from_name(meta.dtype))
+            cut = _cut(chunk, size, needs, segment_bytes, unit_bytes)
+            if sum(hi - lo for lo, hi, _ in cut) >= sum(n.local_bytes for _, _, n in needs):
+                continue
+            for lo, hi, parts in cut:
+                owner = _owner(parts, load)
+                load[owner] = load.get(owner, 0) + hi - lo
+                units.append(Unit(key, file, chunk, size, lo, hi, owner, 0, 0, parts))
+    return _in_rounds(units, round_bytes, offers)
+
+
+def _groups(offers: Sequence[RankNeeds | None]) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = {}
+    for rank, offer in enumerate(offers):
+        if offer is not None and offer.group is not None and offer.needs:
+            groups.setdefault(offer.group, []).append(rank)
+    return {g: r for g, r in sorted(groups.items()) if len(r) > 1}
+
+
+def _by_chunk(
+    offers: Sequence[RankNeeds | None], ranks: list[int]
+) -> dict[tuple[str, str, int], list[tuple[int, int, Need]]]:
+    out: dict[tuple[str, str, int], list[tuple[int, int, Need]]] = {}
+    for rank in ranks:
+        offer = offers[rank]
+        assert offer is not None
+        for i, need in enumerate(offer.needs):
+            out.setdefault((need.key, need.file, need.byte_offset), []).append((rank, i, need))
+    return out
+
+
+def _chunk(meta: TensorMeta, files: Sequence[str], file: str, offset: int) -> ChunkMeta:
+    for chunk in meta.chunks:
+        if chunk.byte_offset == offset and files[chunk.file] == file:
+            return chunk
+    raise AssertionError(f"no chunk at {file}:{offset}")
+
+
+def flat_span(chunk: ChunkMeta, box: Box) -> tuple[int, int]:
+    """Elements ``[first, end)`` of ``chunk``'s row-major storage that ``box`` spans."""
+    strides = row_major_strides(chunk.lengths)
+    rel = [o - c for o, c in zip(box.offsets, chunk.offsets)]
+    first = sum(r * s for r, s in zip(rel, strides))
+    last = sum((r + n - 1) * s for r, n, s in zip(rel, box.lengths, strides))
+    return first, last + 1
+
+
+def _cut(
+    chunk: ChunkMeta,
+    size: int,
+    needs: list[tuple[int, int, Need]],
+    segment: int,
+    unit_bytes: int,
+) -> list[tuple[int, int, tuple[Part, ...]]]:
+    """The chunk's needed bytes as segment-aligned units, each with the parts ranks need."""
+    spans = [flat_span(chunk, n.region) for _, _, n in needs]
+    lo0 = min(f for f, _ in spans) * size // segment * segment
+    hi0 = max(e for _, e in spans) * size
+    out = []
+    for ulo in range(lo0, hi0, unit_bytes):
+        uhi = min(ulo + unit_bytes, _up(hi0, segment), chunk.nbytes)
+        boxes = [
+            Box(tuple(o + c for o, c in zip(b.offsets, chunk.offsets)), b.lengths)
+            for b in flat_range_to_boxes(chunk.lengths, ulo // size, (uhi - ulo) // size)
+        ]
+        parts = []
+        for rank, i, need in needs:
+            for b in boxes:
+                x = b.intersect(need.region)
+                if x is not None:
+                    parts.append(Part(rank, i, x))
+        if not parts:
+            continue
+        first = min(flat_span(chunk, p.box)[0] for p in parts) * size
+        end = max(flat_span(chunk, p.box)[1] for p in parts) * size
+        lo = max(ulo, first // segment * segment)
+        hi = min(uhi, _up(end, segment))
+        out.append((lo, hi, tuple(parts)))
+    return out
+
+
+def _up(n: int, multiple: int) -> int:
+    return math.ceil(n / multiple) * multiple
+
+
+def _owner(parts: tuple[Part, ...], load: dict[int, int]) -> int:
+    """The least loaded rank that needs part of the unit; among equals, the one needing most."""
+    wanted: dict[int, int] = {}
+    for p in parts:
+        wanted[p.rank] = wanted.get(p.rank, 0) + p.box.numel
+    return min(wanted, key=lambda r: (load.get(r, 0), -wanted[r], r))
+
+
+def _in_rounds(
+    units: list[Unit], round_bytes: int, offers: Sequence[RankNeeds | None]
+) -> ExchangePlan:
+    """Each owner's units packed into rounds of at most ``round_bytes`` of its buffer."""
+    state: dict[int, tuple[int, int]] = {}
+    sizes: dict[int, int] = {}
+    placed = []
+    for u in units:
+        rnd, used = state.get(u.owner, (0, 0))
+        n = _up(u.hi - u.lo, _ALIGN)
+        if used and used + n > round_bytes:
+            rnd, used = rnd + 1, 0
+        placed.append(
+            Unit(u.key, u.file, u.chunk, u.itemsize, u.lo, u.hi, u.owner, rnd, used, u.parts)
+        )
+        state[u.owner] = (rnd, used + n)
+        sizes[u.owner] = max(sizes.get(u.owner, 0), used + n)
+    rounds = 1 + max((u.round for u in placed), default=-1)
+    tokens = {r: o.token for r, o in enumerate(offers) if o is not None and r in sizes}
+    return ExchangePlan(tuple(placed), rounds, sizes, tokens)

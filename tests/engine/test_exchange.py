@@ -1,0 +1,150 @@
+"""Resharded loads through the exchange: values, exact bytes read, damage found by the reader."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import unickpt
+from tests.api.layouts_zoo import mesh
+from tests.distributed import run_ranks
+from unickpt.config import get_config
+from unickpt.dist import Comm
+from unickpt.engine import exchange
+from unickpt.engine.commit import read_checkpoint
+from unickpt.engine.exchange import rank_needs, run_exchange
+from unickpt.layouts.boxes import Box
+from unickpt.planning.exchange_plan import RankNeeds, plan_exchange
+from unickpt.planning.load_plan import plan_reads
+from unickpt.storage import LocalStorage
+
+SEG = 4096
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "a": torch.randn(256, 96, generator=g),  # chunks of 48 KiB: 12 segments, 12 units
+        "b": torch.randn(33, 40, generator=g).to(torch.bfloat16),  # rows split 17 / 16
+        "c": torch.randint(-1000, 1000, (10, 12), generator=g, dtype=torch.int64),
+    }
+
+
+def _state(dim: int, world: int, fill: bool) -> dict[str, Any]:
+    return {
+        k: distribute_tensor(t if fill else torch.zeros_like(t), mesh((world,)), [Shard(dim)])
+        for k, t in _tensors().items()
+    }
+
+
+def _equal(state: dict[str, Any], world: int) -> bool:
+    want = _state(1, world, fill=True)
+    return all(torch.equal(state[k].to_local(), want[k].to_local()) for k in want)
+
+
+def _loads(rank: int, world: int, root: str) -> dict[str, Any]:
+    path = f"{root}/c"
+    unickpt.save(path, _state(0, world, fill=True), config=get_config(segment_bytes=SEG))
+    small = get_config(segment_bytes=SEG, window_bytes=16 * SEG, read_piece_bytes=16 * SEG)
+    out: dict[str, Any] = {}
+    # Units of one segment, rounds of 4 units: many rounds through both buffers.
+    for name, config in (
+        ("shared", small),
+        ("default", get_config()),
+        ("alone", get_config(share_reads=False)),
+    ):
+        dest = _state(1, world, fill=False)
+        report = unickpt.load(path, dest, config=config)
+        out[name] = (_equal(dest, world), report.bytes_read, report.bytes_wanted)
+        out[name + " from peers"] = report.bytes_from_peers
+    dest = _state(0, world, fill=False)
+    out["same layout"] = unickpt.load(path, dest, config=small).bytes_from_peers
+    dist.barrier()
+    if rank == 0:  # damage one byte of the second data file
+        data = sorted(Path(path).glob("data-*.bin"))[1]
+        with open(data, "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    try:
+        unickpt.load(path, _state(1, world, fill=False), config=small)
+        out["damaged"] = None
+    except unickpt.CheckpointError as e:
+        out["damaged"] = (type(e).__name__, str(e))
+    out["leftovers"] = [n for n in os.listdir("/dev/shm") if n.startswith("unickpt-load-")]
+    out.update(_without_shared_memory(f"{root}/intact", world, small))
+    return out
+
+
+def _without_shared_memory(path: str, world: int, config: Any) -> dict[str, Any]:
+    """No /dev/shm: the load reads alone; buffers refused mid-load: every rank reads alone."""
+    unickpt.save(path, _state(0, world, fill=True), config=config)
+    exchange.SHM_DIR = "/nonexistent-shm"
+    try:
+        dest = _state(1, world, fill=False)
+        report = unickpt.load(path, dest, config=config)
+        out: dict[str, Any] = {"no shm": (_equal(dest, world), report.bytes_read)}
+        # Ranks grouped as one host, but creating the buffers fails on every owner.
+        storage = LocalStorage(path)
+        _, meta = read_checkpoint(storage)
+        dest = _state(1, world, fill=False)
+        items = [
+            i
+            for k, t in dest.items()
+            for i in plan_reads(k, meta.tensors[k], meta.files, [(_box(t), t.to_local())])
+        ]
+        needs, needed = rank_needs(storage, items, True, meta.segment_bytes, world)
+        offers = [RankNeeds("host", n.token, n.needs) for n in _all_gather(needs)]
+        plan = plan_exchange(offers, meta.tensors, meta.files, SEG, SEG, 4 * SEG)
+        stats = run_exchange(Comm(), storage, plan, needed, config, True, meta.segment_bytes)
+        out["refused"] = (len(plan.units) > 0, stats)
+    finally:
+        exchange.SHM_DIR = "/dev/shm"
+    return out
+
+
+def _box(t: Any) -> Box:
+    local = t.to_local()
+    offsets = [0] * local.dim()
+    offsets[1] = dist.get_rank() * t.shape[1] // dist.get_world_size()
+    return Box(tuple(offsets), tuple(local.shape))
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def test_shard0_into_shard1_reads_every_byte_once_and_finds_damage(tmp_path: Path) -> None:
+    results = run_ranks(2, _loads, str(tmp_path))
+    total = sum(t.numel() * t.element_size() for t in _tensors().values())
+    for name in ("shared", "default", "alone"):
+        assert all(r[name][0] for r in results), f"{name}: values differ"
+        assert sum(r[name][2] for r in results) == total
+    # Read once: every saved byte by one rank; each rank got part of its share from the other.
+    assert sum(r["shared"][1] for r in results) == total
+    assert sum(r["default"][1] for r in results) == total
+    assert all(0 < r["shared from peers"] < r["shared"][2] for r in results)
+    # Alone, each rank reads every chunk whole (it needs half of every row).
+    assert sum(r["alone"][1] for r in results) == 2 * total
+    assert [r["alone from peers"] for r in results] == [0, 0]
+    assert [r["same layout"] for r in results] == [0, 0]
+    # The damaged segment is read by one rank only; every rank raises that rank's error.
+    errors = [r["damaged"] for r in results]
+    assert errors[0] == errors[1] and errors[0] is not None
+    kind, message = errors[0]
+    assert kind == "CheckpointCorruptError"
+    assert "loading failed on 1 of 2 ranks" in message and "checksum mismatch" in message
+    assert [r["leftovers"] for r in results] == [[], []]
+    # Without shared memory every rank reads alone, with the same values.
+    assert [r["no shm"] for r in results] == [(True, total), (True, total)]
+    refused = [r["refused"] for r in results]
+    assert all(has_units and stats is not None and not stats.shared for has_units, stats in refused)

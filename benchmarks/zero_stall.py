@@ -30,20 +30,8 @@ import torch.multiprocessing as mp
 
 import unickpt
 from unickpt.bench.config import parse_param_count
-from unickpt.bench.model import TrainState, build_train_state, config_for_params
-
-
-def _iteration(state: TrainState) -> float:
-    t0 = time.perf_counter()
-    state.forward_backward()
-    state.step()
-    return time.perf_counter() - t0
-
-
-def _slowest(value: float) -> float:
-    t = torch.tensor(value, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+from unickpt.bench.model import build_train_state, config_for_params
+from unickpt.bench.stall import plain_iteration_s, slowest, stall_s
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) -> None:
@@ -53,9 +41,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) ->
     state = build_train_state(config_for_params(parse_param_count(args.params)), "shard0", 256)
     rows = []
     for r in range(args.warmup + args.rounds):
-        dist.barrier()
         c0 = time.process_time()
-        plain = _slowest(_iteration(state))
+        plain = plain_iteration_s(state)
         plain_cpu = time.process_time() - c0
         dist.barrier()
         c0 = time.process_time()
@@ -68,13 +55,13 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) ->
         t1 = time.perf_counter()
         state.step()
         t2 = time.perf_counter()
-        saving = _slowest(t2 - t0)
+        extra = stall_s(plain, t2 - t0)
         fut.wait()
         save_cpu = time.process_time() - c0 - plain_cpu  # every thread of the rank
         step_wait = max(0.0, fut.blocking_s - call)
         if r >= args.warmup:
             row = (call, step_wait, t2 - t1, save_cpu)
-            rows.append((plain, saving, *(_slowest(x) for x in row)))
+            rows.append((plain, plain + extra, *(slowest(x) for x in row)))
     if rank == 0:
         q.put(rows)
     dist.barrier()

@@ -53,18 +53,22 @@ def _parse(value: str, kind: type) -> object:
     return kind(value)
 
 
-def get_config(**overrides: object) -> Config:
-    """The defaults, then ``UNICKPT_*`` environment variables, then ``overrides``."""
-    base = Config()
+def env_overrides(cls: type, prefix: str) -> dict[str, object]:
+    """The fields of dataclass ``cls`` set in the environment as ``<prefix><FIELD>``, parsed by
+    the type of the field's default."""
     env: dict[str, object] = {}
-    for f in fields(Config):
-        raw = os.environ.get(f"UNICKPT_{f.name.upper()}")
+    for f in fields(cls):
+        name = f"{prefix}{f.name.upper()}"
+        raw = os.environ.get(name)
         if raw is not None:
-            kind = type(getattr(base, f.name))
+            kind = type(f.default)
             try:
                 env[f.name] = _parse(raw, kind)
             except ValueError:
-                raise CheckpointError(
-                    f"UNICKPT_{f.name.upper()}={raw!r} is not a valid {kind.__name__}."
-                ) from None
-    return replace(base, **env, **overrides)  # type: ignore[arg-type]
+                raise CheckpointError(f"{name}={raw!r} is not a valid {kind.__name__}.") from None
+    return env
+
+
+def get_config(**overrides: object) -> Config:
+    """The defaults, then ``UNICKPT_*`` environment variables, then ``overrides``."""
+    return replace(Config(), **env_overrides(Config, "UNICKPT_"), **overrides)  # type: ignore[arg-type]

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
+import torch
 import torch.distributed as dist
 
 from . import errors as E
@@ -80,6 +82,15 @@ class Comm:
             dist.broadcast_object_list(box, src=self._global_ranks[0], group=self._pg)
         return box[0]
 
+    def max_across(self, values: np.ndarray) -> np.ndarray:
+        """The element-wise maximum of ``values`` (same shape on every rank) over all ranks."""
+        if self._pg is None or values.size == 0:
+            return values
+        t = torch.from_numpy(np.ascontiguousarray(values))
+        with self._peers_lost("all_reduce"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg)
+        return t.numpy()
+
     def barrier(self) -> None:
         if self._pg is not None:
             with self._peers_lost("barrier"):
@@ -127,6 +138,18 @@ def failure_of(rank: int, exc: BaseException) -> RankFailure:
     return RankFailure(rank, type(exc).__name__, str(exc), traceback.format_exc())
 
 
+def _lines(failed: list[RankFailure]) -> str:
+    """One line per distinct error, naming every rank that raised it."""
+    ranks: dict[tuple[str, str], list[int]] = {}
+    for f in failed:
+        ranks.setdefault((f.kind, f.message), []).append(f.rank)
+    lines = []
+    for (kind, message), rs in ranks.items():
+        who = f"rank {rs[0]}" if len(rs) == 1 else f"ranks {_span(rs)}"
+        lines.append(f"  {who}: {kind}: {message}")
+    return "\n".join(lines)
+
+
 def run_step(comm: Comm, step: str, fn: Callable[[], tuple[L, S]]) -> tuple[L, list[S]]:
     """Run ``fn`` on every rank and all-gather its payload; raise everywhere if any rank failed.
 
@@ -162,8 +185,7 @@ def raise_failures(
         is_plain = candidate is not E.DistributedCheckpointError
         if issubclass(candidate, E.CheckpointError) and is_plain:
             cls = candidate
-    lines = "\n".join(f"  rank {f.rank}: {f.kind}: {f.message}" for f in failed)
-    message = f"{step} failed on {len(failed)} of {comm.world_size} ranks:\n{lines}"
+    message = f"{step} failed on {len(failed)} of {comm.world_size} ranks:\n{_lines(failed)}"
     for f in failed:
         log.debug("rank %d traceback during %s:\n%s", f.rank, step, f.trace)
     if cls is E.CheckpointError:

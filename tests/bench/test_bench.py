@@ -1,5 +1,5 @@
 """The benchmark harness end to end on a tiny model with 2 ranks: reports are written and hold
-one row per system. No timing is asserted."""
+one verified row per system. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from unickpt.bench import BenchConfig, parse_param_count, parse_systems, run_bench, write_outputs
 from unickpt.bench.model import config_for_params
-from unickpt.bench.report import replace_results, to_markdown
+from unickpt.bench.report import to_markdown
 from unickpt.bench.systems.registry import ALL_SYSTEMS, PEER_SYSTEMS
 from unickpt.cli import bench as bench_cli
 
@@ -26,6 +27,7 @@ def test_parse_param_count() -> None:
 
 def test_parse_systems() -> None:
     assert parse_systems("dcp, torch-save,dcp") == ("dcp", "torch-save")
+    assert parse_systems("unickpt,dcp,torch") == ("unickpt", "dcp", "torch-save")
     assert parse_systems("all") == ALL_SYSTEMS
     assert parse_systems("peers") == PEER_SYSTEMS
     with pytest.raises(ValueError, match="unknown system"):
@@ -47,9 +49,21 @@ def test_cli_registers_bench() -> None:
     assert args.params == "10M"
 
 
+def test_cli_options() -> None:
+    parser = argparse.ArgumentParser()
+    bench_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--repeats", "5", "--device", "cuda"])
+    assert (args.repeats, args.device) == (5, "cuda")
+    assert "--repeats 5" in bench_cli._command(args) and "--device cuda" in bench_cli._command(args)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--device", "tpu"])
+    with pytest.raises(ValueError, match="repeats"):
+        BenchConfig(1_000_000, 2, ("dcp",), Path("o"), Path("w"), repeats=0)
+
+
 @pytest.mark.timeout(600)
 def test_harness_writes_reports(tmp_path: Path) -> None:
-    systems = ("dcp", "torch-save", "unickpt", "torchsnapshot")
+    systems = ("dcp", "torch-save", "torchsnapshot")  # unickpt's rows: test_runner.py
     config = BenchConfig(
         params=200_000,
         world=2,
@@ -59,35 +73,71 @@ def test_harness_writes_reports(tmp_path: Path) -> None:
         peers_python=None,
         seq_len=16,
         warmup=False,
-        command="unickpt bench --params 200K",
+        command="unickpt bench --params 200K --repeats 1",
+        repeats=1,
     )
-    report = run_bench(config)
+    lines: list[str] = []
+    report = run_bench(config, lines.append)
     paths = write_outputs(report, config.out)
+    assert lines[0] == "measuring the hardware" and len(lines) == 3  # torchsnapshot: no run
 
     data = json.loads(paths["json"].read_text())
     rows = {row["name"]: row for row in data["systems"]}
     assert set(rows) == set(systems)
     assert rows["torchsnapshot"]["status"] == "not installed"
     for name in ("dcp", "torch-save"):
-        assert rows[name]["status"] == "ok", rows[name]
-        assert rows[name]["load_verified"] is True
-        assert rows[name]["reshard_verified"] is True
-        assert rows[name]["bytes_written"] > 0
+        row = rows[name]
+        assert row["status"] == "ok", row
+        assert row["runs"] == 1 and row["failed_runs"] == 0
+        assert row["verified"] == {"load": True, "reshard load": True}
+        assert row["figures"]["bytes_written"]["median"] > 0
+        assert {"blocking_s", "stall_s", "durable_s"} <= set(row["figures"])
+    assert "thread_count=4" in rows["dcp"]["notes"]
     assert data["hardware"]["total_bytes"] == data["info"]["state_bytes"] > 0
+    assert data["info"]["repeats"] == 1
 
     markdown = paths["markdown"].read_text()
     assert markdown == to_markdown(report)
     for row in report.systems:
         assert f"| {row.label} |" in markdown
-    if "png" in paths:
-        assert paths["png"].stat().st_size > 0
+    assert ("png:stall" in paths) == ("png:durable" in paths)  # both or none (matplotlib)
+    assert not list((tmp_path / "work").glob("job-*"))  # every job's checkpoints removed
 
 
-def test_replace_results_block() -> None:
-    doc = "# Title\n\n<!-- results:start -->\nold\n<!-- results:end -->\n\nrest\n"
-    new = replace_results(doc, "| a |\n", "images/bench.png")
-    assert "old" not in new
-    assert "| a |" in new and "![checkpoint benchmark](images/bench.png)" in new
-    assert new.endswith("<!-- results:end -->\n\nrest\n")
-    with pytest.raises(ValueError, match="results"):
-        replace_results("no block", "x")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_cuda_run_is_skipped_without_cuda(tmp_path: Path) -> None:
+    config = BenchConfig(
+        params=200_000,
+        world=2,
+        systems=("unickpt", "dcp-async-process"),
+        out=tmp_path / "out",
+        workdir=tmp_path / "work",
+        device="cuda",
+    )
+    report = run_bench(config)
+    assert [row.status for row in report.systems] == ["skipped", "skipped"]
+    assert "no CUDA device" in report.systems[0].message
+    assert report.hardware is None and report.info.device == "cuda"
+    paths = write_outputs(report, config.out)
+    assert not [k for k in paths if k.startswith("png:")]
+    assert "| unickpt save | skipped: --device cuda" in paths["markdown"].read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_harness_on_cuda(tmp_path: Path) -> None:
+    config = BenchConfig(
+        params=1_000_000,
+        world=1,
+        systems=("unickpt", "unickpt-zero-stall", "dcp-async-thread", "dcp-async-process"),
+        out=tmp_path / "out",
+        workdir=tmp_path / "work",
+        seq_len=16,
+        repeats=1,
+        device="cuda",
+    )
+    report = run_bench(config)
+    for row in report.systems:
+        assert row.status == "ok", row
+        assert row.verified == {"load": True, "reshard load": True}, row
+        assert "save_peak_gpu_bytes" in row.figures

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -14,7 +15,14 @@ from unickpt.format.codec import (
     encode_index,
     encode_metadata,
 )
-from unickpt.format.metadata import ChunkMeta, CommitRecord, FileRef, Metadata, TensorMeta
+from unickpt.format.metadata import (
+    PER_RANK_ABSENT,
+    ChunkMeta,
+    CommitRecord,
+    FileRef,
+    Metadata,
+    TensorMeta,
+)
 from unickpt.format.values import decode_value, encode_value
 
 
@@ -70,3 +78,29 @@ def test_values_roundtrip_and_refuse_pickle() -> None:
         decode_value(enc, "k", allow_pickle=False)
     with pytest.raises(CheckpointCorruptError, match="unknown tag"):
         decode_value({"$nope": 1}, "k", allow_pickle=False)
+
+
+def test_version_2_aliases_and_absent_per_rank_values() -> None:
+    meta = replace(_meta(), per_rank={"r": (PER_RANK_ABSENT, 2)}, aliases={"head": "w"})
+    doc = json.loads(encode_metadata(meta))
+    assert doc["version"] == 2
+    assert doc["aliases"] == {"head": "w"}
+    assert doc["per_rank"] == {"r": [{"$absent": True}, 2]}
+    back = decode_metadata(json.dumps(doc).encode(), "m")
+    assert back.tensor("head") == back.tensors["w"] and back.keys() == {"w", "head", "step", "r"}
+    assert back.per_rank_value("r", 0) == (False, None)
+    assert back.per_rank_value("r", 1) == (True, 2)
+    assert back.per_rank_value("r", 2) == (False, None)
+    assert back.first_per_rank("r") == (1, 2)
+    doc["aliases"] = {"head": "nowhere"}
+    with pytest.raises(CheckpointCorruptError, match="'head' is tied to 'nowhere'"):
+        decode_metadata(json.dumps(doc).encode(), "m")
+
+
+def test_version_1_metadata_still_reads() -> None:
+    doc = json.loads(encode_metadata(_meta()))
+    doc["version"] = 1
+    del doc["aliases"]
+    back = decode_metadata(json.dumps(doc).encode(), "m")
+    assert back.version == 1 and back.aliases == {}
+    assert back.per_rank_value("r", 1) == (True, 2)

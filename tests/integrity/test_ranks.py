@@ -109,8 +109,17 @@ def _failing_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     out["state_dict raises"] = _attempt(lambda: unickpt.save(f"{root}/a", _state(rank, 1, obj)))
     out["state_dict raises: committed"] = os.path.exists(f"{root}/a/COMMIT")
 
-    keys = {"a": torch.ones(3), ("b" if rank == 0 else "c"): torch.ones(3)}
-    out["keys differ"] = _attempt(lambda: unickpt.save(f"{root}/k", keys))
+    for name, conflict in _conflicts(rank).items():
+        where = f"{root}/{name}"
+        out[name] = _attempt(lambda w=where, c=conflict: unickpt.save(w, c))  # type: ignore[misc]
+
+    keys = {"m": {"a": torch.ones(3), ("b" if rank == 0 else "c"): torch.full((3,), float(rank))}}
+    out["keys differ: saved"] = _attempt(lambda: unickpt.save(f"{root}/k", keys))
+    mine = {"m": {k: torch.zeros(3) for k in keys["m"]}}
+    unickpt.load(f"{root}/k", mine)
+    out["keys differ: loaded"] = all(same_tensor(mine["m"][k], v) for k, v in keys["m"].items())
+    only_a = {"m": {"a": torch.ones(3)}}
+    out["no rank asks for a key"] = _attempt(lambda: unickpt.load(f"{root}/k", only_a))
 
     unickpt.save(path, _state(rank, 1.0))
     with _file_size_limit(4096, active=rank == 1):
@@ -161,10 +170,68 @@ def test_state_dict_failing_on_one_rank_raises_on_every_rank(failing: list[Any])
     assert _each_rank(failing, "state_dict raises: committed") == [False, False]
 
 
-def test_ranks_with_different_keys_fail_on_every_rank(failing: list[Any]) -> None:
-    for kind, message, _ in _each_rank(failing, "keys differ"):
+def _conflicts(rank: int) -> dict[str, dict[str, Any]]:
+    """States the two ranks cannot save together, by what is wrong."""
+    flat = torch.arange(5.0)
+    return {
+        "overlap and gap": {"w": unickpt.ShardedTensor(flat, (10,), (0 if rank == 0 else 3,))},
+        "flat overlap": {"w": unickpt.FlatShard(flat, (2, 5), 0 if rank == 0 else 3)},
+        "shape differs": {"w": torch.ones(3 + rank)},
+        "dtype differs": {"w": torch.ones(3, dtype=torch.float32 if rank == 0 else torch.float16)},
+        "kind differs": {
+            "w": torch.ones(4) if rank == 0 else unickpt.ShardedTensor(torch.ones(2), (4,), (2,))
+        },
+        "tensor and value": {"w": torch.ones(2) if rank == 0 else 7},
+    }
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        (
+            "overlap and gap",
+            "the shards of 'w' (global shape [10]) do not tile it: elements [3:5] "
+            "are held by more than one shard (shards of ranks 0, 1)",
+        ),
+        (
+            "flat overlap",
+            "the shards of 'w' (global shape [2, 5]) do not tile it: elements "
+            "[0:1, 3:5] are held by more than one shard",
+        ),
+        (
+            "shape differs",
+            "'w' is a plain tensor float32[4] on rank 1 but a plain tensor float32[3] on rank 0",
+        ),
+        (
+            "dtype differs",
+            "'w' is a plain tensor float16[3] on rank 1 but a plain tensor float32[3] on rank 0",
+        ),
+        (
+            "kind differs",
+            "'w' is a ShardedTensor block float32[4] on rank 1 but a plain tensor "
+            "float32[4] on rank 0",
+        ),
+        ("tensor and value", "'w' is a plain value on rank 1 but a tensor on rank 0"),
+    ],
+)
+def test_conflicting_ranks_fail_on_every_rank(failing: list[Any], case: str, message: str) -> None:
+    outcomes = _each_rank(failing, case)
+    for kind, text, _ in outcomes:
+        assert kind == "CheckpointMismatchError", text
+        assert "planning the save failed on 2 of 2 ranks:\n  ranks 0, 1: " in text, text
+        assert message in text, text
+    assert outcomes[0][1] == outcomes[1][1]
+
+
+def test_ranks_with_different_keys_save_and_load(failing: list[Any]) -> None:
+    assert [o[0] for o in _each_rank(failing, "keys differ: saved")] == ["ok", "ok"]
+    assert _each_rank(failing, "keys differ: loaded") == [True, True]
+    for kind, message, _ in _each_rank(failing, "no rank asks for a key"):
         assert kind == "CheckpointMismatchError"
-        assert "different keys" in message and "'b'" in message and "'c'" in message
+        assert (
+            "the checkpoint has keys that no rank's state asks for: 'm.b', 'm.c' (2 tensors"
+            in message
+        )
 
 
 @pytest.mark.parametrize("which", ["write fails", "async write fails"])

@@ -188,6 +188,16 @@ def _chunk(doc: dict[str, Any], key: str) -> list[Any]:
     return next(c for c in doc["chunks"] if c[0] == key)
 
 
+def _split_overlapping(doc: dict[str, Any], key: str) -> None:
+    """Rows [0, 24) and [12, 36) of a 48-row chunk: as many elements as the tensor has, with
+    rows 12-23 twice and rows 36-47 never (element counts cannot tell)."""
+    chunk = _chunk(doc, key)
+    half = chunk[4] // 2
+    first = [key, [0, 0], [24, 64], chunk[3], half, []]
+    second = [key, [12, 0], [24, 64], chunk[3] + half, half, []]
+    doc["chunks"][doc["chunks"].index(chunk) : doc["chunks"].index(chunk) + 1] = [first, second]
+
+
 def _set_value(path: tuple[Any, ...], value: Any) -> Any:
     def change(doc: dict[str, Any]) -> None:
         node = doc
@@ -219,7 +229,18 @@ FORGERIES = {
     "chunk dropped": (
         "index",
         lambda d: d["chunks"].remove(_chunk(d, "t.ids")),
-        "'t.ids' do not cover",
+        "'t.ids' (global shape [300]) do not tile it: elements [0:300] are held by no shard",
+    ),
+    "chunks overlapping, leaving a gap of the same size": (
+        "index",
+        lambda d: _split_overlapping(d, "t.big"),
+        "'t.big' (global shape [48, 64]) do not tile it: elements [12:24, 0:64] are held by "
+        "more than one shard; the metadata is damaged",
+    ),
+    "chunk listed twice": (
+        "index",
+        lambda d: d["chunks"].append(_chunk(d, "t.mask")),
+        "'t.mask' (global shape [41]) do not tile it: elements [0:41] are held by more than one",
     ),
     "negative byte offset": ("index", lambda d: _chunk(d, "t.ids").__setitem__(3, -8), "-8"),
     "index of another format": (
@@ -227,7 +248,7 @@ FORGERIES = {
         lambda d: d.__setitem__("format", "other"),
         "format is 'other'",
     ),
-    "file list emptied": ("metadata", _set_value(("files",), []), "do not cover"),
+    "file list emptied": ("metadata", _set_value(("files",), []), "do not tile"),
     "tensor dtype unknown": (
         "metadata",
         _set_value(("tensors", "t.big", "dtype"), "float99"),

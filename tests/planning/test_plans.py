@@ -7,7 +7,7 @@ from unickpt import CheckpointMismatchError
 from unickpt.format.metadata import ChunkMeta, TensorMeta
 from unickpt.layouts.boxes import Box
 from unickpt.planning.load_plan import ChunkIndex, plan_reads
-from unickpt.planning.save_plan import LocalPlan, TensorDecl, build_global_plan
+from unickpt.planning.save_plan import LocalPlan, TensorDecl, build_global_plan, rank_loads
 from unickpt.planning.simulate import simulate_fsdp_tp
 
 
@@ -25,14 +25,97 @@ def test_replicas_written_once_and_spread() -> None:
     assert sorted(i.key for r in range(4) for i in plan.writes(r)) == sorted(decl)
 
 
-def test_ranks_disagreeing_are_named() -> None:
-    a = _plan({"x": TensorDecl("float32", (2,), "replicated", (Box((0,), (2,)),))})
-    b = _plan({})
-    with pytest.raises(CheckpointMismatchError, match="rank 1 lacks 'x'"):
-        build_global_plan([a, b])
-    c = _plan({"x": TensorDecl("float16", (2,), "replicated", (Box((0,), (2,)),))})
-    with pytest.raises(CheckpointMismatchError, match="on rank 1"):
-        build_global_plan([a, c])
+def _decl(shape: tuple[int, ...], *boxes: Box, dtype: str = "float32", layout: str = "sharded"):
+    return TensorDecl(dtype, shape, layout, boxes)
+
+
+def test_keys_held_by_some_ranks_are_written_by_them() -> None:
+    whole = Box((0,), (4,))
+    stage0 = LocalPlan(
+        {"layers.0.w": _decl((4,), whole, layout="replicated"), "norm": _decl((4,), whole)},
+        ("train.step", "loader.dp_rank_0"),
+        ("rng",),
+    )
+    stage1 = LocalPlan(
+        {"layers.1.w": _decl((4,), whole, layout="replicated"), "norm": _decl((4,), whole)},
+        ("loader.dp_rank_1", "train.step"),
+        ("rng", "extra"),
+    )
+    plan = build_global_plan([stage0, stage0, stage1])
+    written = {r: [i.key for i in plan.writes(r)] for r in range(3)}
+    assert sorted(k for keys in written.values() for k in keys) == [
+        "layers.0.w",
+        "layers.1.w",
+        "norm",
+    ]
+    assert "layers.1.w" in written[2] and "layers.0.w" not in written[2]
+    assert plan.value_writers == {"loader.dp_rank_0": 0, "train.step": 0, "loader.dp_rank_1": 2}
+    assert plan.values_of(2) == ["loader.dp_rank_1"] and plan.values_of(1) == []
+    assert plan.per_rank_keys == ("extra", "rng")
+
+
+@pytest.mark.parametrize(
+    ("other", "message"),
+    [
+        (
+            _decl((3,), Box((0,), (3,))),
+            r"'x' is a ShardedTensor block float32\[3\] on rank 1 but a "
+            r"ShardedTensor block float32\[2\] on rank 0",
+        ),
+        (
+            _decl((2,), Box((0,), (2,)), dtype="float16"),
+            r"float16\[2\] on rank 1 but a "
+            r"ShardedTensor block float32\[2\]",
+        ),
+        (
+            _decl((2,), Box((0,), (2,)), layout="replicated"),
+            r"'x' is a plain tensor float32\[2\] "
+            r"on rank 1 but a ShardedTensor block",
+        ),
+    ],
+)
+def test_ranks_disagreeing_on_a_tensor_are_named(other: TensorDecl, message: str) -> None:
+    a = _plan({"x": _decl((2,), Box((0,), (2,)))})
+    with pytest.raises(CheckpointMismatchError, match=message):
+        build_global_plan([a, _plan({"x": other})])
+
+
+def test_a_key_of_different_kinds_is_refused() -> None:
+    tensor = _plan({"x": _decl((2,), Box((0,), (2,)))})
+    value = LocalPlan({}, ("x",), ())
+    per_rank = LocalPlan({}, (), ("x",))
+    with pytest.raises(
+        CheckpointMismatchError, match="'x' is a plain value on rank 1 but a tensor"
+    ):
+        build_global_plan([tensor, value])
+    with pytest.raises(
+        CheckpointMismatchError, match=r"a plain value on rank 0 but a unickpt\.PerRank"
+    ):
+        build_global_plan([value, per_rank])
+
+
+@pytest.mark.parametrize(
+    ("boxes", "region"),
+    [
+        ([Box((0,), (5,)), Box((3,), (5,))], "elements \\[3:5\\] are held by more than one shard"),
+        ([Box((0,), (5,)), Box((6,), (4,))], "elements \\[5:6\\] are held by no shard"),
+    ],
+)
+def test_overlaps_and_gaps_are_refused_with_the_region(boxes: list[Box], region: str) -> None:
+    plans = [_plan({"w": _decl((10,), b)}) for b in boxes]
+    with pytest.raises(CheckpointMismatchError, match=f"the shards of 'w' .*{region}"):
+        build_global_plan(plans)
+
+
+def test_tied_keys_are_saved_once() -> None:
+    whole = Box((0, 0), (3, 2))
+    tied = LocalPlan({"wte": _decl((3, 2), whole, layout="replicated")}, (), (), {"head": "wte"})
+    plan = build_global_plan([tied, tied])
+    assert plan.aliases == {"head": "wte"}
+    assert [i.key for r in range(2) for i in plan.writes(r)] == ["wte"]
+    untied = _plan({"wte": _decl((3, 2), whole, layout="replicated"), "head": _decl((3, 2), whole)})
+    with pytest.raises(CheckpointMismatchError, match="'head' is tied to 'wte' on rank 0"):
+        build_global_plan([tied, untied])
 
 
 def test_index_looks_only_at_overlapping_chunks() -> None:
@@ -47,7 +130,68 @@ def test_index_looks_only_at_overlapping_chunks() -> None:
 
 
 def test_simulation_reports_costs() -> None:
-    report = simulate_fsdp_tp(ranks=64, tensors=40, tp=8)
+    report = simulate_fsdp_tp(ranks=64, tensors=40, tp=8, tp_load=4)
     assert report["chunks"] == 64 * 40
     assert report["cached_save_exchange_bytes_per_rank"] == 32
-    assert report["global_metadata_bytes"] < report["index_bytes_total"]
+    assert report["global_metadata_bytes"] < report["index_bytes_total_est"]
+    # The last of 64 loading ranks (16 x TP 4) holds the last 1/16 of the rows (within the
+    # last of 8 saved row blocks) and the last quarter of the columns (2 of 8 saved blocks).
+    assert report["load_reads_per_rank"] == 40 * 2
+
+
+def test_replica_groups_each_write_a_share() -> None:
+    """HSDP: 2 replica groups of 3 shards each; every shard once, by one of its 2 holders,
+    each rank writing half of what it holds (the groups are decided at once)."""
+    plans = []
+    for rank in range(6):
+        shard = rank % 3
+        tensors = {
+            f"t{i}": _decl((6, 4), Box((2 * shard, 0), (2, 4)), layout="dtensor") for i in range(4)
+        }
+        plans.append(_plan(tensors))
+    plan = build_global_plan(plans)
+    written = [[(i.key, i.box.offsets) for i in plan.writes(r)] for r in range(6)]
+    every = sorted(x for w in written for x in w)
+    assert every == sorted((f"t{i}", (2 * s, 0)) for i in range(4) for s in range(3))
+    for rank, items in enumerate(written):
+        assert all(offsets == (2 * (rank % 3), 0) for _, offsets in items)
+    assert [len(w) for w in written] == [2] * 6
+    assert rank_loads(plan) == [2 * 8 * 4] * 6
+
+
+def test_overlapping_holders_are_decided_one_by_one() -> None:
+    """Boxes of one tensor whose holder sets overlap: largest first to the least-loaded."""
+    a = _plan({"w": _decl((10,), Box((0,), (6,)), Box((6,), (4,)))})
+    b = _plan({"w": _decl((10,), Box((0,), (6,)), Box((6,), (4,)))})
+    plan = build_global_plan([a, b])
+    assert [[i.box for i in plan.writes(r)] for r in range(2)] == [
+        [Box((0,), (6,))],
+        [Box((6,), (4,))],
+    ]
+
+
+def test_tensors_of_any_rank_and_dimensions_pack_together() -> None:
+    """Ranks of different dimensions (a scalar, a vector, a 3-d block) plan as one."""
+    scalar = _decl((), Box((), ()), layout="replicated")
+    first = _plan({"s": scalar, "v": _decl((4,), Box((0,), (4,)), layout="replicated")})
+    second = _plan({"s": scalar, "b": _decl((2, 2, 3), Box((0, 0, 0), (2, 2, 3)))})
+    packed = second.packed()
+    assert packed.dims == 3 and packed.coords.tolist() == [
+        [0, 0, 0, 1, 1, 1],
+        [0, 0, 0, 2, 2, 3],
+    ]
+    plan = build_global_plan([first, second.packed()])
+    written = {i.key: (r, i.box) for r in range(2) for i in plan.writes(r)}
+    assert written == {
+        "s": (0, Box((), ())),
+        "v": (0, Box((0,), (4,))),
+        "b": (1, Box((0, 0, 0), (2, 2, 3))),
+    }
+    assert plan.chunks == 3
+    assert first.packed().signature() == first.packed().signature() != packed.signature()
+
+
+def test_scalars_only_on_every_rank() -> None:
+    scalar = _decl((), Box((), ()), layout="replicated")
+    plan = build_global_plan([_plan({"a": scalar, "b": scalar}) for _ in range(3)])
+    assert sorted((i.key, r) for r in range(3) for i in plan.writes(r)) == [("a", 0), ("b", 1)]

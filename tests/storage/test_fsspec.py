@@ -11,13 +11,18 @@ import pytest
 import torch
 
 import unickpt
-from tests.api.layouts_zoo import LAYOUTS, global_tensors, local_of, zeroed
 from tests.distributed import run_ranks
-from unickpt.cli.main import main
 from unickpt.config import get_config
 from unickpt.storage import open_storage, register_backend
 from unickpt.storage.fsspec import FsspecStorage
 from unickpt.tools import inspect_checkpoint, verify_checkpoint
+
+from .scenarios import (
+    async_and_refused_saves,
+    checkpointer_and_command_line,
+    load_layouts,
+    save_layouts,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -26,7 +31,6 @@ KiB = 1024
 CONFIG = get_config(
     segment_bytes=4 * KiB, window_bytes=32 * KiB, read_piece_bytes=32 * KiB, small_chunk_bytes=KiB
 )
-SAVE_LAYOUTS = ("dt_row", "megatron", "flat", "replicated")
 
 
 def _memory_url(name: str) -> str:
@@ -90,46 +94,13 @@ def test_save_load_verify_inspect_through_memory() -> None:
 
 
 def test_an_async_save_and_a_failed_save_through_memory() -> None:
-    url = _memory_url("async")
-    state = _state(2)
-    unickpt.async_save(url, state, config=CONFIG).wait()
-    with pytest.raises(unickpt.CheckpointExistsError):
-        unickpt.save(url, _state(3), config=CONFIG)
-    dest = _blank()
-    unickpt.load(url, dest)
-    _assert_same(dest, state)
     bad = _memory_url("bad")
-    with pytest.raises(unickpt.UnsafeObjectError):
-        unickpt.save(bad, {"w": torch.ones(3), "o": object()})
+    async_and_refused_saves(_memory_url("async"), bad, _state, _blank, _assert_same, CONFIG)
     assert not [n for n in open_storage(bad).list_names() if n.startswith("data-")]
 
 
 def test_checkpointer_through_memory(capsys: pytest.CaptureFixture[str]) -> None:
-    root = _memory_url("run")
-    with unickpt.Checkpointer(root, keep_last=2, config=CONFIG) as ckpt:
-        for step in range(4):
-            ckpt.save(step, _state(step))
-        ckpt.wait()
-        assert ckpt.steps() == [2, 3]
-        assert ckpt.path(3) == f"{open_storage(root).location}/step-000000003"
-    # an interrupted save's folder: ignored by listings, removed by the next save
-    storage = open_storage(root)
-    storage.child("step-000000009").write_atomic("data-x-00000.bin", b"partial")
-    reader = unickpt.Checkpointer(root)
-    assert reader.steps() == [2, 3]
-    dest = _blank()
-    assert reader.load_latest(dest) == 3
-    _assert_same(dest, _state(3))
-    with unickpt.Checkpointer(root, keep_last=2, async_save=False, config=CONFIG) as ckpt:
-        ckpt.save(4, _state(4))
-    assert storage.list_names() == ["step-000000003", "step-000000004"]
-    # the command line takes the newest committed step of a root, or --step N
-    assert main(["inspect", root]) == 0
-    assert "step-000000004" in capsys.readouterr().out
-    assert main(["verify", root, "--step", "3"]) == 0
-    assert capsys.readouterr().out.startswith(f"OK: {storage.location}/step-000000003")
-    assert main(["diff", root, root, "--step", "4"]) == 0
-    capsys.readouterr()
+    checkpointer_and_command_line(_memory_url("run"), _state, _blank, _assert_same, CONFIG, capsys)
 
 
 def _register_fsspec_files() -> None:
@@ -140,40 +111,12 @@ def _register_fsspec_files() -> None:
 
 def _save_layouts(rank: int, world: int, root: str) -> None:
     _register_fsspec_files()
-    tensors = global_tensors()
-    state = {
-        lay: {n: LAYOUTS[lay](t, rank, world) for n, t in tensors.items()} for lay in SAVE_LAYOUTS
-    }
-    unickpt.save(f"{root}/layouts", state, config=CONFIG)
-    with unickpt.Checkpointer(f"{root}/run", keep_last=1, config=CONFIG) as ckpt:
-        for step in (1, 2):
-            ckpt.save(step, {"w": LAYOUTS["dt_row"](tensors["a"] * step, rank, world)})
+    save_layouts(rank, world, root, CONFIG)
 
 
 def _load_layouts(rank: int, world: int, root: str) -> list[str]:
     _register_fsspec_files()
-    tensors = global_tensors()
-    wrong = []
-    for dest_layout in ("dt_col", "flat", "replicated"):
-        make = LAYOUTS[dest_layout]
-        state = {
-            lay: {n: zeroed(make(t, rank, world)) for n, t in tensors.items()}
-            for lay in SAVE_LAYOUTS
-        }
-        unickpt.load(f"{root}/layouts", state, config=CONFIG)
-        for lay in SAVE_LAYOUTS:
-            for n, t in tensors.items():
-                if not torch.equal(local_of(state[lay][n]), local_of(make(t, rank, world))):
-                    wrong.append(f"{lay} -> {dest_layout}@{world}: {n}")
-    ckpt = unickpt.Checkpointer(f"{root}/run")
-    dest = {"w": zeroed(LAYOUTS["flat"](tensors["a"], rank, world))}
-    if ckpt.load_latest(dest) != 2 or ckpt.steps() != [2]:
-        wrong.append(f"steps {ckpt.steps()}")
-    if not torch.equal(
-        local_of(dest["w"]), local_of(LAYOUTS["flat"](tensors["a"] * 2, rank, world))
-    ):
-        wrong.append("checkpointer step 2")
-    return wrong
+    return load_layouts(rank, world, root, CONFIG)[0]
 
 
 def test_reshard_through_fsspec_files(tmp_path: Path) -> None:

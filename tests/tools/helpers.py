@@ -18,6 +18,15 @@ def make_model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
 
 
+def make_tied_model(seed: int = 0, tied: bool = True) -> torch.nn.Module:
+    """An embedding and an output head sharing one weight (``head.weight`` is ``wte.weight``)."""
+    torch.manual_seed(seed)
+    model = torch.nn.ModuleDict({"wte": torch.nn.Embedding(5, 3), "head": torch.nn.Linear(3, 5)})
+    if tied:
+        model["head"].weight = model["wte"].weight
+    return model
+
+
 def sample_state(seed: int = 0) -> dict[str, Any]:
     """A model, a trained optimizer, tensors of several dtypes and shapes, and plain values."""
     model = make_model(seed)

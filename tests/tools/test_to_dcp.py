@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+import unickpt
 from unickpt.errors import CheckpointExistsError
 from unickpt.tools import export_dcp
 
@@ -15,6 +16,7 @@ from .helpers import (
     assert_bitwise,
     empty_like_checkpoint,
     make_model,
+    make_tied_model,
     reader_tensors,
     save_sample,
 )
@@ -61,3 +63,13 @@ def test_refuses_then_overwrites(tmp_path: Path) -> None:
     for key, t in reader_tensors(tmp_path / "c").items():
         if key.startswith("model."):
             assert_bitwise(state[key.removeprefix("model.")], t, key)
+
+
+def test_tied_weights_keep_both_names(tmp_path: Path) -> None:
+    model = make_tied_model()
+    unickpt.save(tmp_path / "c", {"model": model})
+    export_dcp(tmp_path / "c", tmp_path / "dcp", only="model")
+    state = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for key, t in model.state_dict().items():
+        assert_bitwise(state[key], t, key)

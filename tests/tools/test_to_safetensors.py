@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import unickpt
 from unickpt.errors import CheckpointExistsError, CheckpointMismatchError
 from unickpt.tools import export_safetensors
 
-from .helpers import assert_bitwise, make_model, reader_tensors, save_sample
+from .helpers import assert_bitwise, make_model, make_tied_model, reader_tensors, save_sample
 
 st = pytest.importorskip("safetensors.torch")
 
@@ -82,3 +83,37 @@ def test_unknown_subtree_is_explained(tmp_path: Path) -> None:
     save_sample(tmp_path / "c")
     with pytest.raises(CheckpointMismatchError, match="top-level names: buffers, model"):
         export_safetensors(tmp_path / "c", tmp_path / "out", only="modle")
+
+
+def _tied_gpt2() -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=20, n_positions=8, n_embd=8, n_layer=1, n_head=2, tie_word_embeddings=True
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_tied_weights_are_written_once(tmp_path: Path) -> None:
+    model = make_tied_model()
+    unickpt.save(tmp_path / "c", {"model": model})
+    report = export_safetensors(tmp_path / "c", tmp_path / "out", only="model")
+    loaded = st.load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(loaded) == ["head.bias", "wte.weight"]
+    assert_bitwise(loaded["wte.weight"], model["wte"].weight.detach(), "wte.weight")
+    assert report.tensor_bytes == (5 * 3 + 5) * 4
+
+
+def test_tied_gpt2_exports_as_save_pretrained_does(tmp_path: Path) -> None:
+    model = _tied_gpt2()
+    unickpt.save(tmp_path / "c", {"model": model})
+    export_safetensors(tmp_path / "c", tmp_path / "hf", only="model")
+    model.config.save_pretrained(tmp_path / "hf")
+    model.save_pretrained(tmp_path / "reference")
+    ours = st.load_file(tmp_path / "hf" / "model.safetensors")
+    theirs = st.load_file(tmp_path / "reference" / "model.safetensors")
+    assert sorted(ours) == sorted(theirs) and "lm_head.weight" not in ours
+    again = type(model).from_pretrained(tmp_path / "hf")
+    assert again.lm_head.weight is again.transformer.wte.weight
+    for key, t in model.state_dict().items():
+        assert_bitwise(again.state_dict()[key], t, key)

@@ -9,7 +9,7 @@ import torch
 import unickpt
 from unickpt.tools import export_torch
 
-from .helpers import assert_bitwise, make_model, reader_tensors, save_sample
+from .helpers import assert_bitwise, make_model, make_tied_model, reader_tensors, save_sample
 
 
 def test_nested_dict_weights_only(tmp_path: Path) -> None:
@@ -49,3 +49,16 @@ def test_tensors_inside_values_and_pickled_values(tmp_path: Path) -> None:
     assert loaded["rng"][1] == 7
     assert "opaque" not in loaded
     assert [x.split(":")[0] for x in report.left_out] == ["opaque"]
+
+
+def test_tied_weights_share_one_tensor(tmp_path: Path) -> None:
+    model = make_tied_model()
+    unickpt.save(tmp_path / "c", {"model": model})
+    export_torch(tmp_path / "c", tmp_path / "model.pt", only="model")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert sorted(loaded) == ["head.bias", "head.weight", "wte.weight"]
+    assert loaded["head.weight"].data_ptr() == loaded["wte.weight"].data_ptr()
+    assert_bitwise(loaded["head.weight"], model["wte"].weight.detach(), "head.weight")
+    fresh = make_tied_model(seed=1, tied=False)
+    fresh.load_state_dict(loaded)
+    assert_bitwise(fresh["head"].weight.detach(), model["head"].weight.detach(), "head")

@@ -9,7 +9,10 @@ from pathlib import Path
 from unickpt.bench.systems.registry import ALL_SYSTEMS, DEFAULT_SYSTEMS, PEER_SYSTEMS
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMbBgG]?)\s*$")
+DEVICES = ("cpu", "cuda")
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
+#: Short names accepted by ``--systems`` for a system's full name.
+SYSTEM_ALIASES = {"torch": "torch-save"}
 
 
 def parse_param_count(text: str) -> int:
@@ -28,10 +31,15 @@ def parse_param_count(text: str) -> int:
 
 
 def parse_systems(text: str) -> tuple[str, ...]:
-    """Split a comma-separated list of system names; ``"all"`` and ``"default"`` expand."""
+    """Split a comma-separated list of system names; ``"all"``, ``"default"`` and ``"peers"``
+    expand, and ``"torch"`` stands for ``"torch-save"``.
+
+    >>> parse_systems("unickpt,dcp,torch")
+    ('unickpt', 'dcp', 'torch-save')
+    """
     names: list[str] = []
     for raw in text.split(","):
-        name = raw.strip()
+        name = SYSTEM_ALIASES.get(raw.strip(), raw.strip())
         if not name:
             continue
         if name == "all":
@@ -43,7 +51,7 @@ def parse_systems(text: str) -> tuple[str, ...]:
         elif name in ALL_SYSTEMS:
             names.append(name)
         else:
-            known = ", ".join(ALL_SYSTEMS)
+            known = ", ".join((*ALL_SYSTEMS, *SYSTEM_ALIASES))
             raise ValueError(f"unknown system {name!r}; choose among: {known}, all, default, peers")
     return tuple(dict.fromkeys(names))
 
@@ -54,7 +62,10 @@ class BenchConfig:
 
     ``workdir`` holds the checkpoints (on disk, never /dev/shm); ``out`` receives the
     JSON, markdown and PNG reports. ``peers_python`` is the interpreter of the environment
-    where the peer systems are installed, or None to mark them "not installed".
+    where the peer systems are installed, or None to mark them "not installed". ``repeats``
+    runs of every system, alternating, each in fresh processes; every figure is their median.
+    ``device`` ``"cuda"`` puts the state on one GPU per rank (every row reads "skipped" on a
+    machine without CUDA).
     """
 
     params: int
@@ -67,6 +78,8 @@ class BenchConfig:
     warmup: bool = True
     system_timeout_s: float = 900.0
     command: str = ""
+    repeats: int = 3
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.world < 1:
@@ -75,5 +88,9 @@ class BenchConfig:
             raise ValueError("no system selected; pass --systems with at least one name")
         if self.seq_len < 8:
             raise ValueError(f"sequence length {self.seq_len} must be at least 8")
+        if self.repeats < 1:
+            raise ValueError(f"repeats {self.repeats} must be at least 1 (3 or more for a range)")
+        if self.device not in DEVICES:
+            raise ValueError(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
         if self.system_timeout_s <= 0:
             raise ValueError(f"system timeout {self.system_timeout_s} s must be positive")

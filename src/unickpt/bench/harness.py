@@ -1,11 +1,16 @@
-"""Run a whole benchmark: one job for the hardware and the in-process systems, one job per peer.
+"""Run a whole benchmark: one job for the hardware, then one job per run of each system.
 
-Jobs run one after another, never side by side, each in its own session so a hang can be
-ended. Each job's checkpoints live in a fresh folder under ``workdir``, removed afterwards.
+Every run of every system is its own job, in fresh processes, so no system inherits memory,
+caches or helper processes from another. Systems alternate: each repeat runs every system once,
+in an order rotated by one from the previous repeat (:func:`schedule`), so a slow spell of the
+machine spreads over all of them. Jobs run one after another, never side by side, each in its
+own session so a hang can be ended; each job's checkpoints live in a fresh folder under
+``workdir``, removed afterwards. A run that crashes or hangs costs only that run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -16,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,14 +29,18 @@ from typing import Any
 
 import unickpt
 from unickpt.bench.config import BenchConfig
+from unickpt.bench.model import config_for_params
 from unickpt.bench.results import (
     STATUS_ERROR,
     STATUS_NOT_INSTALLED,
+    STATUS_SKIPPED,
     STATUS_TIMEOUT,
     BenchReport,
     HardwareResult,
     RunInfo,
+    RunResult,
     SystemResult,
+    summarize,
 )
 from unickpt.bench.systems.registry import SYSTEMS_BY_NAME
 
@@ -42,43 +52,127 @@ _SHM = Path("/dev/shm")
 _SHM_LEFTOVER_MARKERS = ("ckpt_shm",)
 # DLRover's saver sockets; stale ones make the next run wait forever on a dead saver.
 _SOCKET_DIR = Path(tempfile.gettempdir()) / "ckpt_sock"
-_PEER_ENV: dict[str, dict[str, str]] = {
-    # bytecheckpoint's load of extra_state calls torch.load without weights_only=False.
-    "bytecheckpoint": {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"},
-}
+
+
+def _system_env(system: str) -> dict[str, str]:
+    """Environment a system's job needs (settings some peers read only from there)."""
+    if system == "bytecheckpoint":
+        from unickpt.config import get_config
+
+        return {
+            # Its load of extra_state calls torch.load without weights_only=False.
+            "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1",
+            # Its writer threads, read once at import: as many as unickpt's.
+            "BYTECHECKPOINT_STORE_WORKER_COUNT": str(get_config().io_threads),
+        }
+    return {}
 
 
 @dataclass
-class _JobOutcome:
+class _Job:
+    """What one job reported."""
+
+    status: str
     info: dict[str, Any] = field(default_factory=dict)
     hardware: HardwareResult | None = None
-    rows: dict[str, SystemResult] = field(default_factory=dict)
+    run: RunResult | None = None
+    failure: tuple[str, str] | None = None
+    notes: str = ""
 
 
-def run_bench(config: BenchConfig) -> BenchReport:
-    """Measure every system of ``config`` and write the reports under ``config.out``."""
+@dataclass
+class _Runs:
+    """Everything measured of one system so far."""
+
+    results: list[RunResult] = field(default_factory=list)
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    notes: str = ""
+
+
+def schedule(systems: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, system) in the order they run: every repeat runs each system once, starting one
+    further along the list than the repeat before.
+
+    >>> schedule(["a", "b", "c"], 2)
+    [(0, 'a'), (0, 'b'), (0, 'c'), (1, 'b'), (1, 'c'), (1, 'a')]
+    """
+    order: list[tuple[int, str]] = []
+    for repeat in range(repeats):
+        shift = repeat % len(systems) if systems else 0
+        order += [(repeat, name) for name in systems[shift:] + systems[:shift]]
+    return order
+
+
+def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchReport:
+    """Measure every system of ``config``; the reports are written by ``write_outputs``.
+    ``progress`` is told of each job as it starts (the CLI prints it)."""
+    tell = progress or log.info
     started = time.monotonic()
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     (config.out / "logs").mkdir(parents=True, exist_ok=True)
-    local = [n for n in config.systems if not SYSTEMS_BY_NAME[n].peer]
-    outcome = _run_job(config, sys.executable, local, hardware=True)
-    for name in (n for n in config.systems if SYSTEMS_BY_NAME[n].peer):
-        outcome.rows.update(_run_peer(config, name).rows)
+    if config.device == "cuda" and not _cuda_available():
+        return _report(config, stamp, started, _Job("skipped"), _skipped_rows(config))
+    tell("measuring the hardware")
+    setup = _launch(config, sys.executable, "", 0)
+    runs: dict[str, _Runs] = {name: _Runs() for name in config.systems}
+    rows: dict[str, SystemResult] = {}
+    for name in config.systems:
+        missing = _missing_peer(config, name)
+        if missing:
+            rows[name] = _row(name, STATUS_NOT_INSTALLED, missing)
+    plan = schedule([n for n in config.systems if n not in rows], config.repeats)
+    for index, (repeat, name) in enumerate(plan, 1):
+        tell(f"run {index}/{len(plan)}: {name} (repeat {repeat + 1} of {config.repeats})")
+        _record(runs[name], _run_once(config, name, repeat))
+    for name in config.systems:
+        if name not in rows:
+            info = SYSTEMS_BY_NAME[name]
+            got = runs[name]
+            rows[name] = summarize(name, info.label, got.notes, got.results, got.failures)
+    return _report(config, stamp, started, setup, [rows[n] for n in config.systems])
+
+
+def _record(runs: _Runs, job: _Job) -> None:
+    runs.notes = job.notes or runs.notes
+    if job.run is not None:
+        runs.results.append(job.run)
+    else:
+        runs.failures.append(job.failure or (job.status, "the job reported nothing"))
+
+
+def _report(
+    config: BenchConfig, stamp: str, started: float, setup: _Job, rows: list[SystemResult]
+) -> BenchReport:
+    model = setup.info.get("model") or dataclasses.asdict(config_for_params(config.params))
     info = RunInfo(
         command=config.command,
-        params=int(outcome.info.get("params", config.params)),
-        model=dict(outcome.info.get("model", {})),
+        params=int(setup.info.get("params", config.params)),
+        model=dict(model),
         world=config.world,
-        state_bytes=int(outcome.info.get("state_bytes", 0)),
+        state_bytes=int(setup.info.get("state_bytes", 0)),
         torch_version=_torch_version(),
         python_version=platform.python_version(),
         cpu_count=os.cpu_count() or 0,
         machine=platform.machine(),
         started_at=stamp,
         seconds=time.monotonic() - started,
+        repeats=config.repeats,
+        device=config.device,
+        gpu_available=_cuda_available(),
     )
-    rows = tuple(outcome.rows[n] for n in config.systems if n in outcome.rows)
-    return BenchReport(info, outcome.hardware, rows)
+    return BenchReport(info, setup.hardware, tuple(rows))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _skipped_rows(config: BenchConfig) -> list[SystemResult]:
+    why = "--device cuda, but no CUDA device is visible (torch.cuda.is_available() is False)"
+    log.warning("skipping every system: %s", why)
+    return [_row(name, STATUS_SKIPPED, why) for name in config.systems]
 
 
 def _torch_version() -> str:
@@ -87,12 +181,18 @@ def _torch_version() -> str:
     return str(torch.__version__)
 
 
-def _run_peer(config: BenchConfig, name: str) -> _JobOutcome:
+def _row(name: str, status: str, message: str) -> SystemResult:
+    return SystemResult(name, SYSTEMS_BY_NAME[name].label, status, message)
+
+
+def _missing_peer(config: BenchConfig, name: str) -> str:
+    """Why a peer system cannot run here, or "" when it can (or is not a peer)."""
     info = SYSTEMS_BY_NAME[name]
+    if not info.peer:
+        return ""
     python = config.peers_python
     if python is None or not Path(python).exists():
-        hint = "create it with benchmarks/setup_peers.sh"
-        return _single(name, STATUS_NOT_INSTALLED, f"no peers environment ({hint})")
+        return "no peers environment (create it with benchmarks/setup_peers.sh)"
     probe = subprocess.run(
         [python, "-c", f"import {info.module}"],
         capture_output=True,
@@ -102,91 +202,68 @@ def _run_peer(config: BenchConfig, name: str) -> _JobOutcome:
     )
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["import failed"])[-1]
-        return _single(name, STATUS_NOT_INSTALLED, f"{info.module}: {last}")
-    _clean_peer_leftovers()
-    try:
-        return _run_job(config, python, [name], hardware=False)
-    finally:
-        _clean_peer_leftovers()
-
-
-def _single(name: str, status: str, message: str) -> _JobOutcome:
-    row = SystemResult(name, SYSTEMS_BY_NAME[name].label, status, message)
-    return _JobOutcome(rows={name: row})
+        return f"{info.module}: {last}"
+    return ""
 
 
 def _job_env(system: str | None) -> dict[str, str]:
     env = dict(os.environ)
     src = str(Path(unickpt.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
-    env.update(_PEER_ENV.get(system or "", {}))
+    env.update(_system_env(system or ""))
     return env
 
 
-def _run_job(config: BenchConfig, python: str, systems: list[str], hardware: bool) -> _JobOutcome:
-    """Run ``systems`` in as few jobs as possible: after a crash or a hang, the system that was
-    running is recorded as failed and a new job takes the rest."""
-    outcome = _JobOutcome()
-    remaining = list(systems)
-    attempt = 0
-    while remaining or (hardware and attempt == 0):
-        attempt += 1
-        tag = f"{remaining[0] if len(remaining) == 1 else 'main'}-{attempt}"
-        status, lines, log_path = _launch(config, python, remaining, hardware and attempt == 1, tag)
-        started = _absorb(outcome, lines)
-        done = set(outcome.rows)
-        remaining = [n for n in remaining if n not in done and n not in started]
-        for name in started - done:
-            why = STATUS_TIMEOUT if status == STATUS_TIMEOUT else STATUS_ERROR
-            outcome.rows[name] = SystemResult(
-                name, SYSTEMS_BY_NAME[name].label, why, f"job ended while running; see {log_path}"
-            )
-        if status != "ok" and not started:
-            for name in remaining:
-                outcome.rows[name] = SystemResult(
-                    name, SYSTEMS_BY_NAME[name].label, STATUS_ERROR, f"job failed; see {log_path}"
-                )
-            break
-    return outcome
+def _run_once(config: BenchConfig, name: str, repeat: int) -> _Job:
+    info = SYSTEMS_BY_NAME[name]
+    if not info.peer:
+        return _launch(config, sys.executable, name, repeat)
+    assert config.peers_python is not None
+    _clean_peer_leftovers()
+    try:
+        return _launch(config, config.peers_python, name, repeat)
+    finally:
+        _clean_peer_leftovers()
 
 
-def _absorb(outcome: _JobOutcome, lines: list[dict[str, Any]]) -> set[str]:
-    started: set[str] = set()
-    for line in lines:
-        kind = line.pop("kind")
-        if kind == "info":
-            outcome.info = line
-        elif kind == "hardware":
-            outcome.hardware = HardwareResult.from_dict(line)
-        elif kind == "start":
-            started.add(line["name"])
-        elif kind == "system":
-            outcome.rows[line["name"]] = SystemResult.from_dict(line)
-    return started
-
-
-def _launch(
-    config: BenchConfig, python: str, systems: list[str], hardware: bool, tag: str
-) -> tuple[str, list[dict[str, Any]], Path]:
+def _launch(config: BenchConfig, python: str, system: str, repeat: int) -> _Job:
+    """One job: the hardware and the state's size when ``system`` is "", else one run."""
+    tag = f"{system}-{repeat + 1}" if system else "hardware"
     workdir = config.workdir / f"job-{tag}"
     results = workdir / "results.jsonl"
     log_path = config.out / "logs" / f"{tag}.log"
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     command = [python, "-m", "unickpt.bench.job", "--params", str(config.params)]
-    command += ["--world", str(config.world), "--systems", ",".join(systems)]
+    command += ["--world", str(config.world), "--device", config.device]
     command += ["--workdir", str(workdir), "--results", str(results)]
     command += ["--seq-len", str(config.seq_len)]
-    command += ["--hardware"] if hardware else []
+    command += ["--system", system] if system else ["--hardware"]
     command += [] if config.warmup else ["--no-warmup"]
-    timeout_s = _SETUP_TIMEOUT_S + config.system_timeout_s * max(1, len(systems))
     log.info("job %s: %s", tag, " ".join(command))
-    status = _wait(
-        command, log_path, timeout_s, _job_env(systems[0] if len(systems) == 1 else None)
-    )
-    lines = _read_lines(results)
+    status = _wait(command, log_path, _SETUP_TIMEOUT_S + config.system_timeout_s, _job_env(system))
+    job = _absorb(_Job(status), _read_lines(results))
     shutil.rmtree(workdir, ignore_errors=True)
-    return status, lines, log_path
+    if job.run is None and job.failure is None and system:
+        why = "timed out" if status == STATUS_TIMEOUT else "ended before reporting"
+        job.failure = (status if status != "ok" else STATUS_ERROR, f"job {why}; see {log_path}")
+    return job
+
+
+def _absorb(job: _Job, lines: list[dict[str, Any]]) -> _Job:
+    for line in lines:
+        kind = line.pop("kind")
+        if kind == "info":
+            job.info = line
+        elif kind == "hardware":
+            job.hardware = HardwareResult.from_dict(line)
+        elif kind == "run":
+            job.run = RunResult.from_dict(line["run"])
+            job.notes = line.get("notes", "")
+        elif kind == "failed":
+            job.failure = (line["status"], line["message"])
+            job.notes = line.get("notes", "")
+    return job
 
 
 def _wait(command: list[str], log_path: Path, timeout_s: float, env: dict[str, str]) -> str:

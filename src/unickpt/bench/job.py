@@ -1,13 +1,14 @@
-"""One benchmark job: spawn the ranks, build the state once, run the systems one after another.
+"""One benchmark job: start the ranks, build the state, then measure the hardware or one run of
+one system.
 
 Run by the harness as ``python -m unickpt.bench.job ...`` (with the peers' interpreter for the
-peer systems). Rank 0 appends one JSON object per line to ``--results`` as soon as each part is
-measured, so a crash or a hang loses only the system that was running::
+peer systems), once per run, so every run starts in fresh processes. Rank 0 appends one JSON
+object per line to ``--results`` as soon as each part is measured::
 
     {"kind": "info", ...}      state size and model shape
     {"kind": "hardware", ...}  see unickpt.bench.hardware
-    {"kind": "start", "name": ...}
-    {"kind": "system", ...}    one SystemResult
+    {"kind": "run", "name": ..., "notes": ..., "run": {...}}   one RunResult
+    {"kind": "failed", "name": ..., "status": ..., "message": ..., "notes": ...}
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from unickpt.bench.config import DEVICES
 from unickpt.bench.hardware import measure_hardware
 from unickpt.bench.model import (
     GPTConfig,
@@ -34,16 +36,9 @@ from unickpt.bench.model import (
     config_for_params,
     local_state_bytes,
 )
-from unickpt.bench.results import (
-    STATUS_ERROR,
-    STATUS_NOT_INSTALLED,
-    RankMeasurement,
-    SystemResult,
-    combine,
-)
+from unickpt.bench.results import STATUS_ERROR, STATUS_NOT_INSTALLED, RankMeasurement, combine
 from unickpt.bench.runner import IterationBaseline, describe, measure_baseline, measure_system
 from unickpt.bench.systems import CheckpointSystem, create_system
-from unickpt.bench.systems.registry import SYSTEMS_BY_NAME
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m unickpt.bench.job")
     parser.add_argument("--params", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--systems", required=True, help="comma-separated names")
+    parser.add_argument("--system", default="", help="the system to run once (none: no run)")
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--results", type=Path, required=True)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--hardware", action="store_true")
     parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument("--device", choices=DEVICES, default="cpu")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -104,13 +100,14 @@ def _run_system(
     state: TrainState,
     reshard: TrainState,
     base: IterationBaseline,
-) -> SystemResult | None:
-    info = SYSTEMS_BY_NAME[name]
+    results: _Results,
+) -> None:
     system, status, message = _create(name)
     failure = _agree(system is not None, f"{status}|{message}")
     if failure:
         status, _, message = failure.partition("|")
-        return SystemResult(name, info.label, status, message)
+        results.write("failed", {"name": name, "status": status, "message": message})
+        return
     assert system is not None
     measurement: RankMeasurement | None = None
     error = ""
@@ -125,21 +122,35 @@ def _run_system(
         system.close()
     failure = _agree(measurement is not None, error)
     if failure:
-        return SystemResult(name, info.label, STATUS_ERROR, failure, system.notes)
+        payload = {"name": name, "status": STATUS_ERROR, "message": failure}
+        results.write("failed", {**payload, "notes": system.notes})
+        return
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, measurement)
-    return combine(name, info.label, system.notes, gathered)
+    run = combine(gathered)
+    results.write("run", {"name": name, "notes": system.notes, "run": dataclasses.asdict(run)})
+
+
+def _init_process_group(rank: int, args: argparse.Namespace) -> None:
+    """gloo on CPU; on CUDA, one device per rank and NCCL beside gloo (DCP's asynchronous
+    saves need a CPU backend)."""
+    if args.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=args.world)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=args.world)
 
 
 def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     logging.basicConfig(
-        level=args.log_level, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s"
+        level=args.log_level,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
     )
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(args.world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.world)
+    _init_process_group(rank, args)
     try:
         _run_rank(args)
     finally:
@@ -149,8 +160,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
 def _run_rank(args: argparse.Namespace) -> None:
     results = _Results(args.results)
     config: GPTConfig = config_for_params(args.params)
-    state = build_train_state(config, "shard0", args.seq_len)
-    reshard = build_train_state(config, "shard1", args.seq_len)
+    state = build_train_state(config, "shard0", args.seq_len, args.device)
     sizes = torch.tensor([local_state_bytes(state)], dtype=torch.int64)
     dist.all_reduce(sizes)
     results.write(
@@ -164,21 +174,21 @@ def _run_rank(args: argparse.Namespace) -> None:
     if args.hardware:
         hardware = measure_hardware(args.workdir, local_state_bytes(state))
         results.write("hardware", hardware.to_dict())
+    if not args.system:
+        return
+    reshard = build_train_state(config, "shard1", args.seq_len, args.device)
     base = measure_baseline(state)
-    log.info("iteration baseline: %s", base)
-    for name in [n for n in args.systems.split(",") if n]:
-        results.write("start", {"name": name})
-        log.info("running %s", name)
-        result = _run_system(name, args, state, reshard, base)
-        if result is not None:
-            results.write("system", dataclasses.asdict(result))
+    log.info("iteration baseline: %s; running %s", base, args.system)
+    _run_system(args.system, args, state, reshard, base, results)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
+    # fork: the ranks start from this process, which imported torch but ran nothing (no
+    # threads, no CUDA context), instead of importing everything again each.
     mp.start_processes(
-        _rank_main, args=(args, _free_port()), nprocs=args.world, start_method="spawn"
+        _rank_main, args=(args, _free_port()), nprocs=args.world, start_method="fork"
     )
     return 0
 

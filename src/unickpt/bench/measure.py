@@ -12,12 +12,16 @@ that exits and is reaped has its I/O folded into the parent's counters by the ke
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 _PROC = Path("/proc")
 _PAGE_KIB = 1024
@@ -58,8 +62,29 @@ def _read_io(pid: int) -> IoCounters:
     )
 
 
-def descendants(pid: int) -> list[int]:
-    """Live descendant process ids of ``pid`` (children, grandchildren, ...)."""
+def _task_children(pid: int) -> list[int] | None:
+    """Children of ``pid`` from ``/proc/<pid>/task/*/children`` (a few small reads), or None
+    when the kernel does not offer these files."""
+    try:
+        tasks = list((_PROC / str(pid) / "task").iterdir())
+    except OSError:
+        return []
+    found: list[int] = []
+    for task in tasks:
+        try:
+            text = (task / "children").read_text()
+        except FileNotFoundError:
+            if not (task / "stat").exists():
+                continue  # the thread ended meanwhile
+            return None
+        except OSError:
+            continue
+        found.extend(int(field) for field in text.split())
+    return found
+
+
+def _scan_children() -> dict[int, list[int]]:
+    """Every process's children, from a scan of all of /proc (slow on a busy machine)."""
     children: dict[int, list[int]] = {}
     for entry in _PROC.iterdir():
         if not entry.name.isdigit():
@@ -70,10 +95,23 @@ def descendants(pid: int) -> list[int]:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """Live descendant process ids of ``pid`` (children, grandchildren, ...). Reads each
+    process's own children lists where the kernel has them, so its cost grows with this
+    process tree, not with every process of the machine (the benchmark calls it while it
+    times)."""
     found: list[int] = []
     frontier = [pid]
+    scanned: dict[int, list[int]] | None = None
     while frontier:
-        nxt = children.get(frontier.pop(), [])
+        parent = frontier.pop()
+        nxt = _task_children(parent) if scanned is None else scanned.get(parent, [])
+        if nxt is None:
+            scanned = _scan_children()
+            nxt = scanned.get(parent, [])
         found.extend(nxt)
         frontier.extend(nxt)
     return found
@@ -149,27 +187,34 @@ class PeakMemory:
     Two sources, the larger wins: the kernel's own high-water mark of this process (reset at
     entry through /proc/self/clear_refs, exact), and a thread sampling every ``interval_s`` this
     process's RSS plus the private memory of its helper processes (:func:`tree_rss_bytes`).
+    :meth:`split` ends one interval and starts the next without stopping the sampler, so a
+    timed stretch pays no thread start or stop in its middle.
     """
 
     def __init__(self, interval_s: float = 0.01) -> None:
         self._interval_s = interval_s
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._baseline_tree = 0
         self._baseline_self = 0
         self._peak_tree = 0
         self._hwm_exact = False
         self.extra_bytes = 0
-        self.peak_bytes = 0  # absolute: the level at entry plus extra_bytes
+        self.peak_bytes = 0  # absolute: the level at entry (or at the last split) plus extra
 
     def __enter__(self) -> PeakMemory:
-        self._hwm_exact = _reset_self_peak()
-        self._baseline_self = _rss_bytes(os.getpid())
-        self._baseline_tree = tree_rss_bytes()
-        self._peak_tree = self._baseline_tree
+        self._start(tree_rss_bytes())
         self._thread = threading.Thread(target=self._sample, name="bench-rss", daemon=True)
         self._thread.start()
         return self
+
+    def _start(self, tree_bytes: int) -> None:
+        with self._lock:
+            self._hwm_exact = _reset_self_peak()
+            self._baseline_self = _rss_bytes(os.getpid())
+            self._baseline_tree = tree_bytes
+            self._peak_tree = tree_bytes
 
     def _sample(self) -> None:
         root = os.getpid()
@@ -179,7 +224,27 @@ class PeakMemory:
             if time.monotonic() - last_scan > _RESCAN_S:
                 children = descendants(root)
                 last_scan = time.monotonic()
-            self._peak_tree = max(self._peak_tree, _tree_bytes(root, children))
+            level = _tree_bytes(root, children)
+            with self._lock:
+                self._peak_tree = max(self._peak_tree, level)
+
+    def _finish(self, tree_bytes: int) -> None:
+        with self._lock:
+            self._peak_tree = max(self._peak_tree, tree_bytes)
+            sampled = self._peak_tree - self._baseline_tree
+            exact = _self_peak_bytes() - self._baseline_self if self._hwm_exact else 0
+            self.extra_bytes = max(0, sampled, exact)
+            self.peak_bytes = self._baseline_tree + self.extra_bytes
+
+    def split(self) -> int:
+        """Inside the block: the absolute peak since entry (or the previous split), then a new
+        interval starts at the current level; ``extra_bytes`` and ``peak_bytes`` at exit
+        describe the last interval."""
+        level = _tree_bytes(os.getpid(), descendants(os.getpid()))
+        self._finish(level)
+        peak = self.peak_bytes
+        self._start(level)
+        return peak
 
     def __exit__(
         self,
@@ -190,11 +255,33 @@ class PeakMemory:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self._peak_tree = max(self._peak_tree, tree_rss_bytes())
-        sampled = self._peak_tree - self._baseline_tree
-        exact = _self_peak_bytes() - self._baseline_self if self._hwm_exact else 0
-        self.extra_bytes = max(0, sampled, exact)
-        self.peak_bytes = self._baseline_tree + self.extra_bytes
+        self._finish(tree_rss_bytes())
+
+
+@functools.cache
+def _libc() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the kernel (glibc's ``malloc_trim``); False where
+    there is no such call.
+
+    Freed memory stays resident until the allocator returns it, and it does so when it
+    chooses: a level of resident memory taken with free pages in the heap can fall later by
+    itself, and an allocation that reuses those pages raises nothing. Trimming before each
+    level is taken makes "peak above the level" count what the measured step allocates.
+    """
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def now() -> float:

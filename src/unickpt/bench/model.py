@@ -1,8 +1,11 @@
 """A GPT-style transformer of a chosen size, sharded with FSDP2, with AdamW state initialized.
 
-Two layouts are built from the same seed: ``"shard0"`` (FSDP2's default ``Shard(0)``) is the
-layout every system saves from; ``"shard1"`` places every matrix as ``Shard(1)`` and is the
-target of the resharded load, so each rank needs a piece of every saved shard.
+Two layouts are built: ``"shard0"`` (FSDP2's default ``Shard(0)``) is the layout every system
+saves from; ``"shard1"`` places every matrix as ``Shard(1)`` and is the target of the resharded
+load, so each rank needs a piece of every saved shard. The model is built on the meta device,
+sharded, then each rank fills only its own shards (random values, seeded per rank and tensor),
+and AdamW's moments come from one step on gradients derived from the parameters: building costs
+no forward pass and no full-size initialization, so a benchmark run can start many jobs.
 """
 
 from __future__ import annotations
@@ -105,23 +108,41 @@ class GPT(nn.Module):
 @dataclass
 class TrainState:
     """A sharded model, its optimizer, and one training iteration split where a checkpoint
-    would sit: ``forward_backward`` then ``step``."""
+    would sit: ``forward_backward`` then ``step``.
 
-    model: GPT
+    The runner, the digest check and the perturbation before each load use only ``model``
+    (its named parameters), ``optimizer`` (its state per parameter) and these methods. Another
+    workload builds its own sharded model into a subclass that overrides ``forward_backward``
+    (its batch and loss); the default trains the GPT of this module on a fixed batch."""
+
+    model: nn.Module
     optimizer: torch.optim.Optimizer
     layout: Layout
     seq_len: int
+    device: str = "cpu"
 
     def forward_backward(self) -> None:
+        model = self.model
+        if not isinstance(model, GPT):
+            raise TypeError(
+                f"{type(self).__name__} holds a {type(model).__name__}, not the GPT; a workload "
+                "with another model overrides TrainState.forward_backward"
+            )
+        vocab = model.config.vocab
         gen = torch.Generator().manual_seed(1234)
         shape = (1, self.seq_len)
-        idx = torch.randint(0, self.model.config.vocab, shape, generator=gen)
-        targets = torch.randint(0, self.model.config.vocab, shape, generator=gen)
-        self.model(idx, targets).backward()
+        idx = torch.randint(0, vocab, shape, generator=gen)
+        targets = torch.randint(0, vocab, shape, generator=gen)
+        model(idx.to(self.device), targets.to(self.device)).backward()
 
     def step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (a no-op on CPU), before reading a clock."""
+        if self.device != "cpu":
+            torch.cuda.synchronize()
 
     def state(self) -> dict[str, object]:
         return {"model": self.model, "optimizer": self.optimizer}
@@ -135,26 +156,46 @@ def _placement_fn(layout: Layout) -> Callable[[nn.Parameter], object] | None:
     return lambda param: Shard(1) if param.dim() >= 2 else Shard(0)
 
 
-def build_train_state(config: GPTConfig, layout: Layout, seq_len: int) -> TrainState:
-    """Build the model on every rank from one seed, shard it, and run one step so AdamW's
-    ``exp_avg``/``exp_avg_sq``/``step`` exist. Needs an initialized process group."""
+def build_train_state(
+    config: GPTConfig, layout: Layout, seq_len: int, device: str = "cpu"
+) -> TrainState:
+    """Build the sharded model on ``device`` (``"cpu"`` or ``"cuda"``, the current CUDA device)
+    and run one optimizer step so AdamW's ``exp_avg``/``exp_avg_sq``/``step`` exist. Needs an
+    initialized process group."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
-    model = GPT(config)
-    world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        model = GPT(config)
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
     placement = _placement_fn(layout)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, shard_placement_fn=placement)  # type: ignore[arg-type]
     fully_shard(model, mesh=mesh, shard_placement_fn=placement)  # type: ignore[arg-type]
+    target = torch.device(device, torch.cuda.current_device()) if device == "cuda" else device
+    model.to_empty(device=target)
+    _fill_local_shards(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    state = TrainState(model, optimizer, layout, seq_len)
-    state.forward_backward()
-    state.step()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.grad = param.detach() * 0.5 + 0.01
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    state = TrainState(model, optimizer, layout, seq_len, device)
+    state.synchronize()
     log.debug("built %s model: %d parameters", layout, config.param_count)
     return state
+
+
+def _fill_local_shards(model: GPT) -> None:
+    """Random values in this rank's shards only, a different stream per rank and tensor."""
+    rank = dist.get_rank()
+    with torch.no_grad():
+        for index, param in enumerate(model.parameters()):
+            local = _local(param)
+            gen = torch.Generator().manual_seed(1_000_003 * rank + index)
+            values = torch.randn(local.shape, generator=gen, dtype=local.dtype).mul_(0.02)
+            local.copy_(values)
 
 
 def local_state_bytes(state: TrainState) -> int:

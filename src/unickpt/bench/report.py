@@ -1,4 +1,8 @@
-"""Turn a :class:`BenchReport` into a markdown table, a JSON file and a PNG bar chart."""
+"""Turn a :class:`BenchReport` into a markdown table, a JSON file and one PNG chart per measure.
+
+Columns and charts come from :mod:`unickpt.bench.measures`. A cell is the median of the runs
+with the lowest and highest run in brackets (``0.39 (0.37-0.44)``); ratios divide medians.
+"""
 
 from __future__ import annotations
 
@@ -8,24 +12,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unickpt.bench.results import STATUS_OK, BenchReport, HardwareResult, SystemResult
-from unickpt.bench.systems.registry import BASELINE_SYSTEM
+from unickpt.bench.measures import CHARTS, MEASURES, Chart, Measure, measure
+from unickpt.bench.results import (
+    PHASES,
+    STATUS_OK,
+    BenchReport,
+    Figure,
+    HardwareResult,
+    RunInfo,
+    SystemResult,
+)
+from unickpt.bench.systems.registry import BASELINE_SYSTEM, SYSTEMS_BY_NAME
 
 log = logging.getLogger(__name__)
 
 _MB = 1e6
+#: Runs per system below which a report says its figures are not to be quoted.
+MIN_REPEATS = 3
 
 
 @dataclass(frozen=True)
-class Ratios:
-    """One row's times divided by DCP's (lower is better) and by the hardware floor."""
+class Ratio:
+    """A column of ratios: one measure's median over the baseline's or the hardware's time."""
 
-    blocking_vs_dcp: float | None
-    durable_vs_dcp: float | None
-    load_vs_dcp: float | None
-    reshard_vs_dcp: float | None
-    durable_vs_hw: float | None
-    load_vs_hw: float | None
+    key: str
+    against: str  # "baseline" or "hardware"
+
+    def label(self, baseline_label: str) -> str:
+        m = measure(self.key)
+        return f"{m.short} vs {baseline_label if self.against == 'baseline' else 'HW'}"
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:
@@ -34,71 +49,73 @@ def _ratio(value: float | None, base: float | None) -> float | None:
     return value / base
 
 
-def ratios(row: SystemResult, baseline: SystemResult | None, hw: HardwareResult | None) -> Ratios:
+def ratio_value(
+    ratio: Ratio, row: SystemResult, baseline: SystemResult | None, hw: HardwareResult | None
+) -> float | None:
+    m = measure(ratio.key)
+    if ratio.against == "hardware":
+        return _ratio(row.median(m.key), hw.limit_s(m.hardware) if hw and m.hardware else None)
     ok = baseline is not None and baseline.status == STATUS_OK
-    base = baseline if ok else None
-    return Ratios(
-        blocking_vs_dcp=_ratio(row.blocking_s, base.blocking_s if base else None),
-        durable_vs_dcp=_ratio(row.durable_s, base.durable_s if base else None),
-        load_vs_dcp=_ratio(row.load_s, base.load_s if base else None),
-        reshard_vs_dcp=_ratio(row.reshard_load_s, base.reshard_load_s if base else None),
-        durable_vs_hw=_ratio(row.durable_s, hw.write_fsync_s if hw else None),
-        load_vs_hw=_ratio(row.load_s, hw.read_warm_s if hw else None),
-    )
+    return _ratio(row.median(m.key), baseline.median(m.key) if ok and baseline else None)
 
 
 def _baseline(report: BenchReport) -> SystemResult | None:
     return next((s for s in report.systems if s.name == BASELINE_SYSTEM), None)
 
 
-def _s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
+def _present(report: BenchReport, keys: list[str]) -> list[str]:
+    """The keys some row has a figure for, in the given order."""
+    return [k for k in keys if any(k in row.figures for row in report.systems)]
+
+
+def table_measures(report: BenchReport) -> list[Measure]:
+    return [measure(k) for k in _present(report, [m.key for m in MEASURES if m.in_table])]
+
+
+def ratio_columns(report: BenchReport) -> list[Ratio]:
+    shown = table_measures(report)
+    columns = [Ratio(m.key, "baseline") for m in shown if m.vs_baseline]
+    return columns + [Ratio(m.key, "hardware") for m in shown if m.hardware]
+
+
+def _number(m: Measure, value: float) -> str:
+    return f"{value:.3f}" if m.unit == "s" else f"{value / _MB:,.0f}"
+
+
+def cell(m: Measure, figure: Figure | None) -> str:
+    """``median (min-max)``, or the median alone when every run gave the same printed value;
+    ``min to max`` when the lowest is negative (a stall within the noise of the iterations)."""
+    if figure is None:
+        return "-"
+    median, low, high = (_number(m, v) for v in (figure.median, figure.low, figure.high))
+    if low == high:
+        return median
+    return f"{median} ({low} to {high})" if figure.low < 0 else f"{median} ({low}-{high})"
 
 
 def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _mb(value: int | None) -> str:
-    return "-" if value is None else f"{value / _MB:,.0f}"
-
-
 def _check(value: bool | None) -> str:
     return {True: "yes", False: "NO", None: "-"}[value]
 
 
-_HEADER = (
-    "| system | blocking (s) | durable (s) | load (s) | reshard load (s) | written (MB) "
-    "| load read (MB) | reshard read (MB) | peak extra RSS save / load (MB) | verified "
-    "| blocking vs DCP | durable vs DCP | load vs DCP | reshard vs DCP "
-    "| durable vs HW | load vs HW |"
-)
-
-
-def _row(row: SystemResult, r: Ratios) -> str:
+def _row(
+    row: SystemResult,
+    shown: list[Measure],
+    ratios: list[Ratio],
+    baseline: SystemResult | None,
+    hw: HardwareResult | None,
+) -> str:
+    width = len(shown) + len(ratios) + 1
     if row.status != STATUS_OK:
         reason = row.status + (f": {row.message}" if row.message else "")
-        return f"| {row.label} | {reason.replace('|', '/')} |" + " |" * 15
-    peak = f"{_mb(row.save_peak_extra_bytes)} / {_mb(row.load_peak_extra_bytes)}"
-    verified = f"{_check(row.load_verified)} / {_check(row.reshard_verified)}"
-    cells = [
-        row.label,
-        _s(row.blocking_s),
-        _s(row.durable_s),
-        _s(row.load_s),
-        _s(row.reshard_load_s),
-        _mb(row.bytes_written),
-        _mb(row.load_bytes_read),
-        _mb(row.reshard_bytes_read),
-        peak,
-        verified,
-        _x(r.blocking_vs_dcp),
-        _x(r.durable_vs_dcp),
-        _x(r.load_vs_dcp),
-        _x(r.reshard_vs_dcp),
-        _x(r.durable_vs_hw),
-        _x(r.load_vs_hw),
-    ]
+        return f"| {row.label} | {reason.replace('|', '/')} |" + " |" * (width - 1)
+    cells = [row.label]
+    cells += [cell(m, row.figures.get(m.key)) for m in shown]
+    cells.append(" / ".join(_check(row.verified.get(p)) for p in PHASES))
+    cells += [_x(ratio_value(r, row, baseline, hw)) for r in ratios]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -115,25 +132,54 @@ def _hardware_lines(hw: HardwareResult | None) -> list[str]:
     ]
 
 
+def _setting(report: BenchReport) -> str:
+    info = report.info
+    where = "CUDA, one GPU per rank, NCCL + gloo" if info.device == "cuda" else "gloo, CPU"
+    return (
+        f"{info.params / 1e6:.1f}M-parameter GPT ({info.model.get('n_layer')} layers, "
+        f"d_model {info.model.get('d_model')}) + AdamW, FSDP2 over {info.world} ranks ({where}); "
+        f"state {info.state_bytes / _MB:,.0f} MB in total; torch {info.torch_version}, "
+        f"{info.cpu_count} CPUs; {info.started_at}. Each figure: median of {info.repeats} "
+        f"run{'s' if info.repeats != 1 else ''} per system (lowest-highest in brackets), systems "
+        "alternating, every run in fresh processes; ratios divide medians."
+        + (
+            ""
+            if info.repeats >= MIN_REPEATS
+            else f" Fewer than {MIN_REPEATS} runs: a check of the harness, not figures to quote."
+        )
+    )
+
+
+def gpu_line(info: RunInfo) -> str:
+    """What the report says about GPU figures."""
+    if info.device == "cuda":
+        return "State on CUDA devices: GPU figures."
+    if info.gpu_available:
+        return "GPU figures are not in this report: it ran on CPU (`--device cuda` measures them)."
+    return "GPU figures are missing: no GPU was available on the machine of this run."
+
+
 def to_markdown(report: BenchReport) -> str:
     """The report as markdown: setting, hardware line, one table row per system, notes."""
-    info = report.info
     base = _baseline(report)
+    base_label = "DCP" if BASELINE_SYSTEM == "dcp" else SYSTEMS_BY_NAME[BASELINE_SYSTEM].label
+    shown = table_measures(report)
+    ratios = ratio_columns(report)
+    header = [m.label for m in shown] + ["verified"] + [r.label(base_label) for r in ratios]
     lines = [
-        f"`{info.command}`",
+        f"`{report.info.command}`",
         "",
-        f"{info.params / 1e6:.1f}M-parameter GPT ({info.model.get('n_layer')} layers, "
-        f"d_model {info.model.get('d_model')}) + AdamW, FSDP2 over {info.world} ranks (gloo, CPU); "
-        f"state {info.state_bytes / _MB:,.0f} MB in total; torch {info.torch_version}, "
-        f"{info.cpu_count} CPUs; {info.started_at}.",
+        _setting(report),
+        "",
+        gpu_line(report.info),
         "",
         *_hardware_lines(report.hardware),
         "",
-        _HEADER,
-        "|" + " --- |" * 16,
+        "| system | " + " | ".join(header) + " |",
+        "| --- |" + " --- |" * len(header),
     ]
-    lines += [_row(row, ratios(row, base, report.hardware)) for row in report.systems]
-    lines += ["", "Notes:"]
+    lines += [_row(row, shown, ratios, base, report.hardware) for row in report.systems]
+    lines += ["", "Settings of each system in this run (best settings for the machine):"]
     lines += [f"- {row.label}: {row.notes}" for row in report.systems if row.notes]
     lines += [
         f"- {row.label}: {row.message}"
@@ -146,8 +192,12 @@ def to_markdown(report: BenchReport) -> str:
 def to_json(report: BenchReport) -> dict[str, Any]:
     data = report.to_dict()
     base = _baseline(report)
+    columns = [Ratio(m.key, "baseline") for m in MEASURES if m.vs_baseline]
+    columns += [Ratio(m.key, "hardware") for m in MEASURES if m.hardware]
     for row, entry in zip(report.systems, data["systems"]):
-        entry["ratios"] = ratios(row, base, report.hardware).__dict__
+        entry["ratios"] = {
+            f"{r.key}_vs_{r.against}": ratio_value(r, row, base, report.hardware) for r in columns
+        }
     return data
 
 
@@ -155,64 +205,85 @@ RESULTS_START = "<!-- results:start -->"
 RESULTS_END = "<!-- results:end -->"
 
 
-def replace_results(document: str, markdown: str, image: str | None = None) -> str:
-    """Put ``markdown`` (and a link to ``image``) between the results markers of a document."""
+def replace_results(document: str, markdown: str, images: list[str] | None = None) -> str:
+    """Put ``markdown`` (and links to ``images``) between the results markers of a document."""
     start, end = document.find(RESULTS_START), document.find(RESULTS_END)
     if start < 0 or end < start:
         raise ValueError(f"the document has no {RESULTS_START} ... {RESULTS_END} block")
-    body = markdown if image is None else f"{markdown}\n![checkpoint benchmark]({image})\n"
-    return f"{document[: start + len(RESULTS_START)]}\n{body}{document[end:]}"
+    links = "".join(f"\n![{Path(i).stem}]({i})\n" for i in images or [])
+    return f"{document[: start + len(RESULTS_START)]}\n{markdown}{links}{document[end:]}"
 
 
 def write_outputs(report: BenchReport, out: Path) -> dict[str, Path]:
-    """Write ``bench.json``, ``bench.md`` and (when matplotlib is there) ``bench.png``."""
+    """Write ``bench.json``, ``bench.md`` and (with matplotlib) ``bench-<chart>.png`` files."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "bench.json", "markdown": out / "bench.md"}
     paths["json"].write_text(json.dumps(to_json(report), indent=2) + "\n")
     paths["markdown"].write_text(to_markdown(report))
-    chart = out / "bench.png"
-    if write_chart(report, chart):
-        paths["png"] = chart
+    for chart in CHARTS:
+        path = out / f"bench-{chart.name}.png"
+        if write_chart(report, chart, path):
+            paths[f"png:{chart.name}"] = path
     return paths
 
 
-def write_chart(report: BenchReport, path: Path) -> bool:
-    """Grouped bars of blocking, durable, load and reshard-load time; False without matplotlib."""
+def _pyplot() -> Any:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def write_chart(report: BenchReport, chart: Chart, path: Path) -> bool:
+    """Bars per system for each measure of ``chart``, error bars from the lowest to the highest
+    run; False when no row has these measures or matplotlib is missing."""
+    rows = [r for r in report.systems if r.status == STATUS_OK]
+    keys = [k for k in chart.measures if any(k in r.figures for r in rows)]
+    if not keys:
+        return False
+    plt = _pyplot()
+    if plt is None:
         log.warning("matplotlib is not installed; skipping %s (pip install matplotlib)", path)
         return False
-    rows = [r for r in report.systems if r.status == STATUS_OK]
-    metrics = [
-        ("blocking", "blocking_s"),
-        ("durable", "durable_s"),
-        ("load", "load_s"),
-        ("reshard load", "reshard_load_s"),
-    ]
-    width = 0.8 / len(metrics)
-    fig, ax = plt.subplots(figsize=(max(8.0, 1.1 * len(rows) + 2), 5))
-    for i, (label, attr) in enumerate(metrics):
-        values = [getattr(r, attr) or 0.0 for r in rows]
-        ax.bar([x + i * width for x in range(len(rows))], values, width, label=label)
+    scale = 1.0 if measure(keys[0]).unit == "s" else 1 / _MB
+    width = 0.8 / len(keys)
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(rows) + 2), 4.5))
+    for i, key in enumerate(keys):
+        figures = [r.figures.get(key) for r in rows]
+        medians = [f.median * scale if f else 0.0 for f in figures]
+        below = [(f.median - f.low) * scale if f else 0.0 for f in figures]
+        above = [(f.high - f.median) * scale if f else 0.0 for f in figures]
+        xs = [x + (i - (len(keys) - 1) / 2) * width for x in range(len(rows))]
+        ax.bar(xs, medians, width, yerr=[below, above], capsize=3, label=measure(key).short)
+        for x, f in zip(xs, figures):
+            if f is None:  # no bar of height 0 that would read as the best: say it is missing
+                ax.annotate("n/a", (x, 0), ha="center", va="bottom", fontsize=7, color="grey")
     hw = report.hardware
-    if hw is not None:
+    if chart.hardware and hw is not None:
+        what = "write + fsync" if chart.hardware == "write" else "read (warm)"
         ax.axhline(
-            hw.write_fsync_s, color="grey", linestyle="--", linewidth=1, label="HW write+fsync"
+            hw.limit_s(chart.hardware),
+            color="grey",
+            linestyle="--",
+            linewidth=1,
+            label=f"hardware {what}",
         )
-        ax.axhline(hw.read_warm_s, color="grey", linestyle=":", linewidth=1, label="HW read (warm)")
-    ax.set_xticks([x + 1.5 * width for x in range(len(rows))])
+    ax.set_xticks(list(range(len(rows))))
     ax.set_xticklabels([r.label for r in rows], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("seconds (lower is better)")
+    unit = "seconds" if scale == 1.0 else "MB"
+    ax.set_ylabel(f"{unit} (lower is better)")
+    info = report.info
     ax.set_title(
-        f"Checkpoint of {report.info.params / 1e6:.0f}M params + AdamW, "
-        f"{report.info.world} ranks ({report.info.state_bytes / _MB:,.0f} MB)"
+        f"{chart.title}\n{info.params / 1e6:.0f}M params + AdamW, {info.world} ranks "
+        f"({info.state_bytes / _MB:,.0f} MB), median of {info.repeats}, bars: min-max",
+        fontsize=10,
     )
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return True

@@ -1,76 +1,151 @@
-"""Results of a benchmark run: per-rank measurements, per-system rows, the whole report.
+"""Results of a benchmark: what a rank measured, one run of a system, one row, the report.
 
-Aggregation over ranks: times are the maximum over ranks (training waits for the slowest
-rank), bytes are summed, and peak extra memory is the sum of each rank's peak.
+Ranks fold into a run as each measure says (:mod:`unickpt.bench.measures`: times take the
+slowest rank, bytes and memory are summed). Runs fold into a row: each figure is the median of
+the runs, with the lowest and highest run beside it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
+
+from unickpt.bench.measures import measure
 
 STATUS_OK = "ok"
 STATUS_NOT_INSTALLED = "not installed"
 STATUS_ERROR = "error"
 STATUS_TIMEOUT = "timeout"
+STATUS_SKIPPED = "skipped"
+
+#: The loads whose restored state is checked, in the order the runner does them.
+PHASES: tuple[str, ...] = ("load", "reshard load")
 
 
 @dataclass(frozen=True)
 class RankMeasurement:
-    """What one rank measured for one system. Times in seconds, sizes in bytes."""
+    """What one rank measured for one system in one run.
 
-    first_durable_s: float | None
-    blocking_s: float
-    step_wait_s: float
-    iteration_slowdown_s: float
-    durable_s: float
-    save_write_bytes: int
-    save_rchar: int
-    save_peak_extra_bytes: int
-    load_s: float | None
-    load_rchar: int
-    load_read_bytes: int
-    load_peak_extra_bytes: int
-    load_mismatches: int | None
-    reshard_s: float | None
-    reshard_rchar: int
-    reshard_peak_extra_bytes: int
-    reshard_mismatches: int | None
+    ``values``: figures keyed by measure (times in seconds, sizes in bytes). ``mismatches``:
+    per checked load, the number of tensors whose digest differs from the saved state's, or
+    None when that load failed.
+    """
+
+    values: dict[str, float]
+    mismatches: dict[str, int | None]
     errors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
+class RunResult:
+    """One run of one system, every rank folded in."""
+
+    values: dict[str, float]
+    verified: dict[str, bool | None]
+    message: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunResult:
+        return cls(dict(data["values"]), dict(data["verified"]), data.get("message", ""))
+
+
+def combine(ranks: list[RankMeasurement]) -> RunResult:
+    """Fold the measurements of every rank into one run; a value some rank lacks is dropped."""
+    keys = set.intersection(*(set(r.values) for r in ranks)) if ranks else set()
+    values: dict[str, float] = {}
+    for key in sorted(keys):
+        per_rank = [r.values[key] for r in ranks]
+        values[key] = sum(per_rank) if measure(key).fold == "sum" else max(per_rank)
+    verified: dict[str, bool | None] = {}
+    for phase in PHASES:
+        counts = [r.mismatches.get(phase) for r in ranks]
+        verified[phase] = None if any(c is None for c in counts) else not any(counts)
+    errors = [e for r in ranks for e in r.errors]
+    return RunResult(values, verified, "; ".join(dict.fromkeys(errors)))
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A measure over the runs of one system: median, lowest, highest, and every run's value."""
+
+    median: float
+    low: float
+    high: float
+    runs: tuple[float, ...]
+
+    @classmethod
+    def of(cls, values: list[float]) -> Figure:
+        return cls(statistics.median(values), min(values), max(values), tuple(values))
+
+
+@dataclass(frozen=True)
 class SystemResult:
-    """One row of the report."""
+    """One row of the report: a system over all its runs.
+
+    ``runs`` counts the runs that produced figures; ``failed_runs`` those that did not.
+    ``verified`` per checked load: True when every run restored every element, False when
+    one did not, None when no run got that far.
+    """
 
     name: str
     label: str
     status: str
     message: str = ""
     notes: str = ""
-    blocking_s: float | None = None
-    step_wait_s: float | None = None
-    iteration_slowdown_s: float | None = None
-    durable_s: float | None = None
-    first_durable_s: float | None = None
-    load_s: float | None = None
-    reshard_load_s: float | None = None
-    bytes_written: int | None = None
-    save_bytes_read: int | None = None
-    load_bytes_read: int | None = None
-    load_bytes_read_device: int | None = None
-    reshard_bytes_read: int | None = None
-    save_peak_extra_bytes: int | None = None
-    load_peak_extra_bytes: int | None = None
-    reshard_peak_extra_bytes: int | None = None
-    load_verified: bool | None = None
-    reshard_verified: bool | None = None
+    runs: int = 0
+    failed_runs: int = 0
+    figures: dict[str, Figure] = field(default_factory=dict)
+    verified: dict[str, bool | None] = field(default_factory=dict)
+
+    def median(self, key: str) -> float | None:
+        figure = self.figures.get(key)
+        return None if figure is None else figure.median
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SystemResult:
+        data = dict(data)
+        data["figures"] = {
+            k: Figure(v["median"], v["low"], v["high"], tuple(v["runs"]))
+            for k, v in data.get("figures", {}).items()
+        }
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def summarize(
+    name: str,
+    label: str,
+    notes: str,
+    runs: list[RunResult],
+    failures: list[tuple[str, str]],
+) -> SystemResult:
+    """Fold a system's runs into its row. ``failures`` are (status, message) of runs that
+    produced nothing (a crash, a hang, a library that failed to start)."""
+    if not runs:
+        status, message = failures[0] if failures else (STATUS_ERROR, "no run finished")
+        return SystemResult(name, label, status, message, notes, 0, len(failures))
+    keys = sorted(set().union(*(r.values for r in runs)))
+    figures = {k: Figure.of([r.values[k] for r in runs if k in r.values]) for k in keys}
+    verified: dict[str, bool | None] = {}
+    for phase in PHASES:
+        checks = [r.verified.get(phase) for r in runs]
+        verified[phase] = False if False in checks else (None if None in checks else True)
+    messages = [r.message for r in runs if r.message]
+    if failures:
+        messages.insert(
+            0,
+            f"{len(failures)} of {len(runs) + len(failures)} runs failed: "
+            f"{failures[0][0]}: {failures[0][1]}",
+        )
+    message = "; ".join(dict.fromkeys(messages))
+    return SystemResult(
+        name, label, STATUS_OK, message, notes, len(runs), len(failures), figures, verified
+    )
 
 
 @dataclass(frozen=True)
@@ -95,6 +170,10 @@ class HardwareResult:
     @property
     def memcpy_bytes_per_s(self) -> float:
         return self.memcpy_bytes / self.memcpy_s
+
+    def limit_s(self, which: str) -> float:
+        """The time of the machine's ``"write"`` (with fsync) or ``"read"`` of the state."""
+        return self.write_fsync_s if which == "write" else self.read_warm_s
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HardwareResult:
@@ -124,6 +203,9 @@ class RunInfo:
     machine: str
     started_at: str
     seconds: float = 0.0
+    repeats: int = 1
+    device: str = "cpu"
+    gpu_available: bool = False  # torch.cuda.is_available() on the machine that ran it
 
 
 @dataclass(frozen=True)
@@ -136,42 +218,5 @@ class BenchReport:
         return {
             "info": dataclasses.asdict(self.info),
             "hardware": None if self.hardware is None else self.hardware.to_dict(),
-            "systems": [dataclasses.asdict(s) for s in self.systems],
+            "systems": [s.to_dict() for s in self.systems],
         }
-
-
-def combine(name: str, label: str, notes: str, ranks: list[RankMeasurement]) -> SystemResult:
-    """Fold the measurements of every rank into one row (see the module docstring)."""
-    errors = [e for r in ranks for e in r.errors]
-
-    def tmax(values: list[float | None]) -> float | None:
-        known = [v for v in values if v is not None]
-        return max(known) if len(known) == len(values) and known else None
-
-    def verified(values: list[int | None]) -> bool | None:
-        return None if any(v is None for v in values) else not any(values)
-
-    return SystemResult(
-        name=name,
-        label=label,
-        status=STATUS_OK,
-        message="; ".join(dict.fromkeys(errors)),
-        notes=notes,
-        blocking_s=max(r.blocking_s for r in ranks),
-        step_wait_s=max(r.step_wait_s for r in ranks),
-        iteration_slowdown_s=max(r.iteration_slowdown_s for r in ranks),
-        durable_s=max(r.durable_s for r in ranks),
-        first_durable_s=tmax([r.first_durable_s for r in ranks]),
-        load_s=tmax([r.load_s for r in ranks]),
-        reshard_load_s=tmax([r.reshard_s for r in ranks]),
-        bytes_written=sum(r.save_write_bytes for r in ranks),
-        save_bytes_read=sum(r.save_rchar for r in ranks),
-        load_bytes_read=sum(r.load_rchar for r in ranks),
-        load_bytes_read_device=sum(r.load_read_bytes for r in ranks),
-        reshard_bytes_read=sum(r.reshard_rchar for r in ranks),
-        save_peak_extra_bytes=sum(r.save_peak_extra_bytes for r in ranks),
-        load_peak_extra_bytes=sum(r.load_peak_extra_bytes for r in ranks),
-        reshard_peak_extra_bytes=sum(r.reshard_peak_extra_bytes for r in ranks),
-        load_verified=verified([r.load_mismatches for r in ranks]),
-        reshard_verified=verified([r.reshard_mismatches for r in ranks]),
-    )

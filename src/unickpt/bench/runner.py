@@ -1,13 +1,16 @@
 """Measure one system on one rank: save, the training iteration after it, load, reshard load.
 
-Collective: every rank runs :func:`measure_system` with the same system at the same time.
+Collective: every rank runs :func:`measure_system` with the same system at the same time, in a
+fresh process (one run of one system per job), so no system starts with buffers another left.
 Definitions (per rank; :mod:`unickpt.bench.results` folds ranks together):
 
 * blocking: time inside the save call, plus the wait before the state may change
   (``wait_until_mutable``), plus, for systems whose next ``optimizer.step()`` waits for the save
   (zero-stall), what that step takes beyond its usual time;
-* iteration slowdown: how much longer the forward, backward and step right after the save take
-  than usual (background copies and writes compete for the same cores);
+* stall: the iteration that starts with the save (call, forward, backward, step) less the
+  median of three plain iterations just before it, each at the slowest rank
+  (:mod:`unickpt.bench.stall`): background copies and writes that compete with training for
+  the cores count here;
 * durable: from the save call until the checkpoint is committed and fsynced.
 """
 
@@ -24,13 +27,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from unickpt.bench.measure import PeakMemory, io_delta, now, tree_io, tree_rss_bytes
+from unickpt.bench.measure import (
+    PeakMemory,
+    io_delta,
+    now,
+    tree_io,
+    tree_rss_bytes,
+    trim_heap,
+)
 from unickpt.bench.model import TrainState
 from unickpt.bench.results import RankMeasurement
+from unickpt.bench.stall import plain_iteration_s, stall_s
 from unickpt.bench.systems.base import CheckpointSystem, SaveHandle, Unsupported
-from unickpt.bench.verify import Fingerprint, fingerprint, mismatches, perturb
+from unickpt.bench.verify import Digest, mismatches, perturb, state_digest
 
 log = logging.getLogger(__name__)
+
+_PLAIN_ITERATIONS = 3
 
 
 @dataclass(frozen=True)
@@ -46,12 +59,15 @@ def measure_baseline(state: TrainState, repeats: int = 3) -> IterationBaseline:
     step: list[float] = []
     extra: list[int] = []
     for _ in range(repeats):
+        trim_heap()
         dist.barrier()
         with PeakMemory() as memory:
             t0 = now()
             state.forward_backward()
+            state.synchronize()
             t1 = now()
             state.step()
+            state.synchronize()
             step.append(now() - t1)
         fb.append(t1 - t0)
         extra.append(memory.extra_bytes)
@@ -61,22 +77,8 @@ def measure_baseline(state: TrainState, repeats: int = 3) -> IterationBaseline:
 
 
 @dataclass(frozen=True)
-class _SavePhase:
-    blocking_s: float
-    step_wait_s: float
-    slowdown_s: float
-    durable_s: float
-    write_bytes: int
-    rchar: int
-    peak_extra_bytes: int
-
-
-@dataclass(frozen=True)
 class _LoadPhase:
-    seconds: float | None
-    rchar: int
-    read_bytes: int
-    peak_extra_bytes: int
+    values: dict[str, float]
     mismatches: int | None
 
 
@@ -118,55 +120,73 @@ def _save(
     state: TrainState,
     base: IterationBaseline,
     rss_before: int,
-) -> _SavePhase:
-    """One measured save. Its memory is the peak resident memory above ``rss_before`` (taken
-    before the system's first save, so buffers it keeps between saves count), during the call
-    and, less what the training iteration needs itself, while the iteration overlaps it."""
-    dist.barrier()
+    plain_s: float,
+) -> dict[str, float]:
+    """One measured save, in the iteration it starts. Its memory is the peak resident memory
+    above ``rss_before`` (taken before the system's first save, so buffers it keeps between
+    saves count), during the call and, less what the training iteration needs itself, while
+    the iteration overlaps it. ``plain_s``: an iteration without a save, just before."""
+    gpu = state.device != "cpu"
+    gpu_before = _gpu_reset() if gpu else 0
+    trim_heap()  # the save's allocations cannot hide in pages freed earlier
     before = tree_io()
-    with PeakMemory() as call_memory:
+    # One sampler for the whole iteration (as for the plain iterations), split between the
+    # call and the overlap: nothing of the benchmark's own starts or stops inside the timing.
+    with PeakMemory() as memory:
+        dist.barrier()
         t0 = now()
         handle = system.save(path, state)
         handle.wait_until_mutable()
         t1 = now()
-    with PeakMemory() as overlap_memory:
+        call_peak = memory.split()
         watch = _DurableWatch(handle)
         state.forward_backward()
+        state.synchronize()
         t2 = now()
         state.step()
+        state.synchronize()
         t3 = now()
         durable_at = watch.join()
     moved = io_delta(before, tree_io())
     peak_extra = max(
         0,
-        call_memory.peak_bytes - rss_before,
-        overlap_memory.peak_bytes - base.iteration_extra_bytes - rss_before,
+        call_peak - rss_before,
+        memory.peak_bytes - base.iteration_extra_bytes - rss_before,
     )
     step_wait = max(0.0, (t3 - t2) - base.step_s)
-    slowdown = (t3 - t1) - (base.forward_backward_s + base.step_s)
-    return _SavePhase(
-        blocking_s=(t1 - t0) + (step_wait if handle.step_waits else 0.0),
-        step_wait_s=step_wait,
-        slowdown_s=slowdown,
-        durable_s=durable_at - t0,
-        write_bytes=moved.write_bytes,
-        rchar=moved.rchar,
-        peak_extra_bytes=peak_extra,
-    )
+    values = {
+        "blocking_s": (t1 - t0) + (step_wait if handle.step_waits else 0.0),
+        "stall_s": stall_s(plain_s, t3 - t0),
+        "step_wait_s": step_wait,
+        "durable_s": durable_at - t0,
+        "bytes_written": float(moved.write_bytes),
+        "save_bytes_read": float(moved.rchar),
+        "save_peak_extra_bytes": float(peak_extra),
+    }
+    if gpu:
+        values["save_peak_gpu_bytes"] = float(torch.cuda.max_memory_allocated() - gpu_before)
+    return values
+
+
+def _gpu_reset() -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return int(torch.cuda.memory_allocated())
 
 
 def _load(
     system: CheckpointSystem,
     path: Path,
     state: TrainState,
-    expected: Fingerprint,
-    reshard: bool,
+    expected: Digest,
+    phase: str,
     errors: list[str],
 ) -> _LoadPhase:
-    """Load and verify. A failure on any rank is agreed on before the (collective) check, so
-    the ranks stay in step and the next system can still run."""
-    what = "reshard load" if reshard else "load"
+    """Load and verify every element. A failure on any rank is agreed on before the
+    (collective) check, so the ranks stay in step and the next phase can still run."""
+    reshard = phase != "load"
     perturb(state)
+    trim_heap()
     dist.barrier()
     before = tree_io()
     error = ""
@@ -174,24 +194,57 @@ def _load(
         t0 = now()
         try:
             (system.reshard_load if reshard else system.load)(path, state)
+            state.synchronize()
         except Unsupported as exc:
-            error = f"{what}: not supported ({exc})"
+            error = f"{phase}: not supported ({exc})"
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is one
-            log.debug("%s failed:\n%s", what, traceback.format_exc())
-            error = f"{what}: {describe(exc)}"
+            log.debug("%s failed:\n%s", phase, traceback.format_exc())
+            error = f"{phase}: {describe(exc)}"
         seconds = now() - t0
     moved = io_delta(before, tree_io())
     if not _all_ranks_ok(not error):
-        errors.append(error or f"{what}: failed on another rank")
-        return _LoadPhase(None, 0, 0, 0, None)
-    bad = mismatches(expected, fingerprint(state))
+        errors.append(error or f"{phase}: failed on another rank")
+        return _LoadPhase({}, None)
+    bad = mismatches(expected, state_digest(state))
     if bad:
         log.warning(
-            "%s: %d tensors differ after %s, e.g. %s", system.info.name, len(bad), what, bad[0]
+            "%s: %d tensors differ after %s, e.g. %s", system.info.name, len(bad), phase, bad[0]
         )
-    return _LoadPhase(seconds, moved.rchar, moved.read_bytes, memory.extra_bytes, len(bad))
+    if reshard:
+        values = {
+            "reshard_load_s": seconds,
+            "reshard_bytes_read": float(moved.rchar),
+            "reshard_peak_extra_bytes": float(memory.extra_bytes),
+        }
+    else:
+        values = {
+            "load_s": seconds,
+            "load_bytes_read": float(moved.rchar),
+            "load_bytes_read_device": float(moved.read_bytes),
+            "load_peak_extra_bytes": float(memory.extra_bytes),
+        }
+    return _LoadPhase(values, len(bad))
+
+
+def _extra(
+    system: CheckpointSystem, path: Path, state: TrainState, errors: list[str]
+) -> dict[str, float]:
+    """The system's own measures; a failure on any rank drops them on every rank."""
+    error = ""
+    extra: dict[str, float] = {}
+    try:
+        extra = system.extra_measures(path, state)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:  # noqa: BLE001 - recorded in the row's message
+        log.debug("extra measures failed:\n%s", traceback.format_exc())
+        error = f"extra measures: {describe(exc)}"
+    if not _all_ranks_ok(not error):
+        errors.append(error or "extra measures: failed on another rank")
+        return {}
+    return extra
 
 
 def describe(exc: BaseException, limit: int = 300) -> str:
@@ -228,32 +281,27 @@ def measure_system(
 ) -> RankMeasurement:
     """Run every phase for ``system``; phases the system cannot do are recorded as errors."""
     errors: list[str] = []
+    trim_heap()  # the level counts live memory only (see measure.trim_heap)
     rss_before = tree_rss_bytes()
-    first = _first_save(system, workdir / f"{system.info.name}-warmup", state) if warmup else None
-    expected = fingerprint(state)
+    values: dict[str, float] = {}
+    if warmup:
+        values["first_durable_s"] = _first_save(
+            system, workdir / f"{system.info.name}-warmup", state
+        )
+    # The stall's reference, right before the save: the median of a few plain iterations,
+    # each started as the save's iteration is (heap trimmed) and timed while the same memory
+    # sampler runs (the benchmark's own costs are on both sides, not in the stall).
+    with PeakMemory():
+        plain_s = plain_iteration_s(state, _PLAIN_ITERATIONS, prepare=trim_heap)
+    expected = state_digest(state)
     path = workdir / system.info.name
-    save = _save(system, path, state, base, rss_before)
+    values.update(_save(system, path, state, base, rss_before, plain_s))
     dist.barrier()
-    loaded = _load(system, path, state, expected, False, errors)
-    resharded = _load(system, path, reshard_state, expected, True, errors)
+    found: dict[str, int | None] = {}
+    for phase, target in (("load", state), ("reshard load", reshard_state)):
+        loaded = _load(system, path, target, expected, phase, errors)
+        values.update(loaded.values)
+        found[phase] = loaded.mismatches
+    values.update(_extra(system, path, state, errors))
     _remove(path)
-    return RankMeasurement(
-        first_durable_s=first,
-        blocking_s=save.blocking_s,
-        step_wait_s=save.step_wait_s,
-        iteration_slowdown_s=save.slowdown_s,
-        durable_s=save.durable_s,
-        save_write_bytes=save.write_bytes,
-        save_rchar=save.rchar,
-        save_peak_extra_bytes=save.peak_extra_bytes,
-        load_s=loaded.seconds,
-        load_rchar=loaded.rchar,
-        load_read_bytes=loaded.read_bytes,
-        load_peak_extra_bytes=loaded.peak_extra_bytes,
-        load_mismatches=loaded.mismatches,
-        reshard_s=resharded.seconds,
-        reshard_rchar=resharded.rchar,
-        reshard_peak_extra_bytes=resharded.peak_extra_bytes,
-        reshard_mismatches=resharded.mismatches,
-        errors=tuple(errors),
-    )
+    return RankMeasurement(values, found, tuple(errors))

@@ -2,8 +2,9 @@
 
 Run it::
 
-    unickpt bench                          # ~100M parameters, 2 ranks, every system
-    unickpt bench --params 10M --systems dcp,unickpt,unickpt-zero-stall
+    unickpt bench                          # ~100M parameters, 2 ranks, every system, 3 runs each
+    unickpt bench --params 20M --world 2 --systems unickpt,dcp --repeats 3
+    unickpt bench --device cuda            # on a GPU host: CUDA tensors, pinned staging
 """
 
 from __future__ import annotations
@@ -23,21 +24,28 @@ from unickpt.bench import (
     to_markdown,
     write_outputs,
 )
+from unickpt.bench.config import DEVICES
 from unickpt.bench.report import replace_results
+from unickpt.bench.results import STATUS_SKIPPED
 from unickpt.bench.systems.registry import SYSTEM_INFOS
 
 _DEFAULT_PEERS_PYTHON = Path(".venv-peers/bin/python")
 _PEERS_ENV = "UNICKPT_BENCH_PEERS_PYTHON"
 
 _DESCRIPTION = """\
-Build a GPT-style transformer with AdamW (optimizer state initialized by one step), shard it
-with FSDP2 over --world CPU processes (gloo), and checkpoint it with each system in turn,
-one at a time. For each system: blocking time (how long training is stalled), time until the
-checkpoint is durable (fsync included), load time into the same layout, load time into another
-layout (every matrix Shard(1) instead of Shard(0)), bytes written and read (/proc/<pid>/io,
-summed over ranks), and peak extra resident memory (summed over ranks). The same run measures
-the machine's sequential write+fsync, read and memcpy speed. Ratios are given against DCP and
-against the hardware. Prints a markdown table; writes bench.json, bench.md and bench.png.
+Build a GPT-style transformer with AdamW, shard it with FSDP2 over --world processes (gloo on
+CPU; --device cuda: one GPU per rank), and checkpoint it with each system. Every system runs
+--repeats times, systems alternating, each run in fresh processes; every figure is the median
+of the runs, with the lowest and highest beside it.
+
+Per run: blocking time (the save call and the wait before the state may change), stall (how
+much longer the iteration with the save takes than one without), time until the checkpoint is
+durable (fsync included), load time into the same layout and into another one (every matrix
+Shard(1) instead of Shard(0)), each load checked by a digest of every element, bytes written
+and read (/proc/<pid>/io, summed over ranks), and peak extra resident memory (summed over
+ranks). The same run measures the machine's sequential write+fsync, read and memcpy speed.
+Ratios are given against DCP and against the hardware. Prints a markdown table; writes
+bench.json, bench.md and one bench-<measure>.png per measure.
 
 Peer systems (bytecheckpoint, dlrover, megatron, torchsnapshot) run with the interpreter of a
 separate environment: create it with benchmarks/setup_peers.sh. Without it their rows read
@@ -64,7 +72,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--world", type=int, default=2, help="number of ranks (default 2)")
     parser.add_argument(
-        "--systems", default="all", help="comma-separated names, or all / peers (default all)"
+        "--systems",
+        default="all",
+        help="comma-separated names (torch: torch-save), or all / peers (default all)",
     )
     parser.add_argument("--out", type=Path, default=Path("out/bench"), help="report folder")
     parser.add_argument(
@@ -78,12 +88,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help=f"interpreter of the peers environment (default: ${_PEERS_ENV} or .venv-peers)",
     )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs of every system, alternating (default 3)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the state lives (default cpu); cuda skips every row without a GPU",
+    )
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per training step")
     parser.add_argument(
         "--no-warmup", action="store_true", help="measure the first save instead of the second"
     )
     parser.add_argument(
-        "--system-timeout", type=float, default=900.0, help="seconds before a system counts as hung"
+        "--system-timeout", type=float, default=900.0, help="seconds before a run counts as hung"
     )
     parser.add_argument(
         "--doc",
@@ -101,20 +120,23 @@ def _peers_python(arg: str | None) -> str | None:
     return str(_DEFAULT_PEERS_PYTHON) if _DEFAULT_PEERS_PYTHON.exists() else None
 
 
-def _update_doc(doc: Path, markdown: str, chart: Path | None) -> None:
-    """Replace the results block of ``doc``; the chart is copied beside it (``<doc>.png``)."""
-    image = None
-    if chart is not None:
-        target = doc.with_suffix(".png")
+def _update_doc(doc: Path, markdown: str, charts: list[Path]) -> None:
+    """Replace the results block of ``doc``; each chart is copied beside it
+    (``<doc>-<measure>.png``)."""
+    images: list[str] = []
+    for chart in charts:
+        target = doc.with_name(f"{doc.stem}-{chart.stem.removeprefix('bench-')}.png")
         shutil.copyfile(chart, target)
-        image = target.name
-    doc.write_text(replace_results(doc.read_text(), markdown, image))
+        images.append(target.name)
+    doc.write_text(replace_results(doc.read_text(), markdown, images))
 
 
 def _command(args: argparse.Namespace) -> str:
     """The command that reproduces this run, with every option that changes the figures."""
     parts = ["unickpt", "bench", "--params", args.params, "--world", str(args.world)]
-    parts += ["--systems", args.systems, "--seq-len", str(args.seq_len)]
+    parts += ["--systems", args.systems, "--repeats", str(args.repeats)]
+    parts += ["--seq-len", str(args.seq_len)]
+    parts += ["--device", args.device] if args.device != "cpu" else []
     parts += ["--no-warmup"] if args.no_warmup else []
     return shlex.join(parts)
 
@@ -133,20 +155,26 @@ def run(args: argparse.Namespace) -> int:
             warmup=not args.no_warmup,
             system_timeout_s=args.system_timeout,
             command=_command(args),
+            repeats=args.repeats,
+            device=args.device,
         )
     except ValueError as exc:
         print(f"unickpt bench: {exc}", file=sys.stderr)
         return 2
     cleanup = args.workdir is None
     try:
-        report = run_bench(config)
+        report = run_bench(config, lambda line: print(f"unickpt bench: {line}", file=sys.stderr))
     finally:
         if cleanup:
             shutil.rmtree(config.workdir, ignore_errors=True)
+    skipped = [row for row in report.systems if row.status == STATUS_SKIPPED]
+    if skipped:
+        print(f"unickpt bench: skipped: {skipped[0].message}", file=sys.stderr)
     paths = write_outputs(report, config.out)
     markdown = to_markdown(report)
     if args.doc is not None:
-        _update_doc(args.doc, markdown, paths.get("png"))
+        charts = [path for kind, path in paths.items() if kind.startswith("png:")]
+        _update_doc(args.doc, markdown, charts)
     print(markdown)
     for kind, path in paths.items():
         print(f"{kind}: {path}")

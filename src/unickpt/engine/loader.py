@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -12,11 +12,17 @@ import torch
 from ..config import Config
 from ..dist import Comm, run_step
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsafeObjectError
-from ..format.dtypes import dtype_name
 from ..format.metadata import Metadata
 from ..format.values import decode_value
 from ..planning.flatten import Flattened, flatten_state
-from ..planning.load_plan import ChunkIndex, ReadItem, plan_reads, uncovered_elements
+from ..planning.load_keys import (
+    KeyMatch,
+    SavedKeys,
+    match_keys,
+    not_loaded_warning,
+    unread_message,
+)
+from ..planning.load_plan import ReadItem, check_chunks_tile, plan_reads
 from ..storage.base import Storage
 from .commit import read_checkpoint
 from .read import ReadStats, execute_reads
@@ -26,19 +32,28 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoadReport:
-    """Figures of one finished load on this rank."""
+    """Figures of one finished load on this rank.
+
+    ``skipped_keys``: keys of this rank's state that kept their current values (not in the
+    checkpoint, or a different kind, shape or dtype there; strict=False only).
+    ``unread_keys``: saved keys under the loaded top-level keys that no rank's state asked for
+    (strict=False only; a strict load refuses them).
+    """
 
     bytes_read: int
     bytes_wanted: int
     skipped_keys: tuple[str, ...]
+    unread_keys: tuple[str, ...] = ()
 
 
 @dataclass
 class _Plan:
     meta: Metadata
     flat: Flattened
-    reads: list[ReadItem]
-    skipped: tuple[str, ...]
+    match: KeyMatch
+    saved: SavedKeys
+    reads: list[ReadItem] = field(default_factory=list)
+    unread: list[str] = field(default_factory=list)
 
 
 def load(
@@ -49,7 +64,10 @@ def load(
     allow_pickle: bool,
     config: Config,
 ) -> LoadReport:
-    def prepare() -> tuple[_Plan, None]:
+    """Match this rank's state (per rank), find saved keys no rank asks for (across ranks),
+    then read and place. Each step raises the same error on every rank when any rank fails."""
+
+    def match() -> tuple[_Plan, None]:
         _, meta = read_checkpoint(storage)
         if meta.pickled_keys and not allow_pickle:
             raise UnsafeObjectError(
@@ -58,98 +76,85 @@ def load(
                 "if you trust where it comes from."
             )
         flat = flatten_state(state, for_load=True)
-        skipped = _check_keys(meta, flat, strict, comm)
-        reads = _plan_all_reads(meta, flat)
-        _check_files(storage, meta, reads)
-        return _Plan(meta, flat, reads, skipped), None
+        found = match_keys(meta, flat, strict)
+        _check_per_rank(meta, flat, comm)
+        return _Plan(meta, flat, found, SavedKeys.of(meta)), None
 
-    plan, _ = run_step(comm, "planning the load", prepare)
+    plan, _ = run_step(comm, "planning the load", match)
+    asked = comm.max_across(plan.saved.asked(plan.flat, plan.match))
+
+    def prepare() -> tuple[None, None]:
+        plan.unread = plan.saved.unread(asked)
+        if strict and plan.unread:
+            message = unread_message(plan.meta, plan.unread, plan.flat.numbered, comm.world_size)
+            raise CheckpointMismatchError(message)
+        if not strict:
+            warning = not_loaded_warning(plan.meta, plan.unread, plan.match, comm.world_size)
+            if warning is not None:
+                warnings.warn(warning, stacklevel=5)
+        plan.reads = _plan_all_reads(plan)
+        _check_files(storage, plan.meta, plan.reads)
+        return None, None
+
+    run_step(comm, "planning the load", prepare)
 
     def place() -> tuple[ReadStats, None]:
         with torch.no_grad():
             stats = execute_reads(
                 storage, plan.reads, config, config.verify, plan.meta.segment_bytes
             )
-        _set_values(plan, comm, strict, allow_pickle)
+        _set_values(plan, comm, allow_pickle)
         for adapter, template in sorted(plan.flat.stateful, key=lambda a: a[0].order):
             adapter.load_state_dict(template)
         return stats, None
 
     stats, _ = run_step(comm, "loading", place)
-    return LoadReport(stats.bytes_read, stats.bytes_wanted, plan.skipped)
+    return LoadReport(stats.bytes_read, stats.bytes_wanted, plan.match.skipped, tuple(plan.unread))
 
 
-def _few(keys: list[str], n: int = 8) -> str:
-    shown = ", ".join(repr(k) for k in keys[:n])
-    return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
-
-
-def _check_keys(meta: Metadata, flat: Flattened, strict: bool, comm: Comm) -> tuple[str, ...]:
-    saved = set(meta.tensors) | set(meta.objects) | set(meta.per_rank)
-    wanted = flat.keys()
-    missing = sorted(wanted - saved)
-    tops = {k.split(".", 1)[0] for k in wanted}
-    unexpected = sorted(k for k in saved - wanted if k.split(".", 1)[0] in tops)
-    if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"the state has keys the checkpoint lacks: {_few(missing)}")
-        if unexpected:
-            parts.append(f"the checkpoint has keys the state lacks: {_few(unexpected)}")
-        raise CheckpointMismatchError(
-            "; ".join(parts) + ". Pass strict=False to load the keys both have (the others keep "
-            "their current values), or load into a state with the saved structure."
-        )
-    if missing:
-        warnings.warn(
-            f"strict=False: {len(missing)} keys are not in the checkpoint and keep their "
-            f"current values: {_few(missing)}",
-            stacklevel=4,
-        )
-    for key, leaf in flat.tensors.items():
-        if key not in saved:
+def _check_per_rank(meta: Metadata, flat: Flattened, comm: Comm) -> None:
+    """Refuse where a PerRank asks for an error and this rank has no saved value."""
+    for key, holder in flat.per_rank.items():
+        if key not in meta.per_rank or holder.on_world_change != "error":
             continue
-        if key not in meta.tensors:
+        found, _ = meta.per_rank_value(key, comm.rank)
+        if not found or meta.world_size != comm.world_size:
             raise CheckpointMismatchError(
-                f"'{key}' is a tensor in the state but a plain value in the checkpoint; load "
-                "it into a non-tensor slot, or check that this is the right checkpoint."
+                f"'{key}' is a PerRank value with on_world_change='error'; "
+                f"{_per_rank_story(meta, key, comm.world_size)}. Load on the saved world size, "
+                "or use on_world_change='warn' to keep the current value where none was saved."
             )
-        saved_t = meta.tensors[key]
-        if tuple(saved_t.shape) != leaf.shape:
-            raise CheckpointMismatchError(
-                f"'{key}' has global shape {list(saved_t.shape)} in the checkpoint but "
-                f"{list(leaf.shape)} in the state; build the model with the saved "
-                "configuration (unickpt reshards layouts, not sizes)."
-            )
-        if saved_t.dtype != dtype_name(leaf.dtype):
-            raise CheckpointMismatchError(
-                f"'{key}' is {saved_t.dtype} in the checkpoint but {dtype_name(leaf.dtype)} in the "
-                f"state; create the state with dtype {saved_t.dtype} (and cast after loading if "
-                "needed)."
-            )
-    if flat.per_rank and meta.world_size != comm.world_size and strict:
-        raise CheckpointMismatchError(
-            f"per-rank values ({_few(sorted(flat.per_rank))}) were saved by "
-            f"{meta.world_size} ranks but {comm.world_size} ranks are loading; pass strict=False "
-            "to restore rank r's value on rank r where it exists and keep current values "
-            "elsewhere."
-        )
-    return tuple(missing)
 
 
-def _plan_all_reads(meta: Metadata, flat: Flattened) -> list[ReadItem]:
+def _per_rank_story(meta: Metadata, key: str, world_size: int) -> str:
+    held = [r for r in range(meta.world_size) if meta.per_rank_value(key, r)[0]]
+    which = "no rank" if not held else ("rank " if len(held) == 1 else "ranks ") + _span(held)
+    return (
+        f"it was saved by {meta.world_size} ranks ({which} holding a value) and {world_size} "
+        "ranks are loading"
+    )
+
+
+def _span(ranks: list[int]) -> str:
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(str(r) for r in ranks)
+
+
+def _plan_all_reads(plan: _Plan) -> list[ReadItem]:
+    """Read items of every tensor this rank loads. The saved chunks of every tensor the state
+    matched must tile it, also where a different shape skips the tensor (strict=False): a
+    forged or damaged shape is then reported as such."""
+    meta, skipped = plan.meta, set(plan.match.differ)
     reads: list[ReadItem] = []
-    for key, leaf in flat.tensors.items():
-        saved = meta.tensors.get(key)
-        if saved is None or not leaf.pieces:
+    for key, leaf in plan.flat.tensors.items():
+        stored = plan.match.resolved.get(key)
+        if stored is None:
             continue
-        items = plan_reads(key, saved, meta.files, leaf.pieces, ChunkIndex(saved.chunks))
-        if uncovered_elements(leaf.pieces, items) != 0:
-            raise CheckpointCorruptError(
-                f"the saved chunks of '{key}' do not cover the part this rank needs; the "
-                "metadata is damaged. Load an earlier checkpoint."
-            )
-        reads.extend(items)
+        saved = meta.tensors[stored]
+        index = check_chunks_tile(stored, saved)
+        if key not in skipped and leaf.pieces:
+            reads.extend(plan_reads(stored, saved, meta.files, leaf.pieces, index))
     return reads
 
 
@@ -171,38 +176,29 @@ def _check_files(storage: Storage, meta: Metadata, reads: list[ReadItem]) -> Non
             )
 
 
-def _set_values(plan: _Plan, comm: Comm, strict: bool, allow_pickle: bool) -> None:
-    meta = plan.meta
+def _set_values(plan: _Plan, comm: Comm, allow_pickle: bool) -> None:
+    meta, skipped = plan.meta, set(plan.match.differ)
     for key, leaf in plan.flat.values.items():
-        if key in meta.objects and leaf.setter is not None:
+        if key in meta.objects and key not in skipped and leaf.setter is not None:
             leaf.setter(decode_value(meta.objects[key], key, allow_pickle))
-        elif key in meta.tensors:
-            raise CheckpointMismatchError(
-                f"'{key}' is a tensor in the checkpoint but a {type(leaf.value).__name__} in "
-                "the state; put a tensor of the saved shape there to load it."
-            )
     for key, holder in plan.flat.per_rank.items():
-        values = meta.per_rank.get(key)
-        if values is None:
+        if key not in meta.per_rank or key in skipped:
             continue
-        if comm.rank < len(values):
-            holder.value = decode_value(values[comm.rank], key, allow_pickle)
-            if len(values) != comm.world_size:
-                log.warning("'%s': restored the value saved by rank %d", key, comm.rank)
-        else:
+        found, encoded = meta.per_rank_value(key, comm.rank)
+        if found:
+            holder.value = decode_value(encoded, key, allow_pickle)
+        if not found or meta.world_size != comm.world_size:
             warnings.warn(
-                f"'{key}' was saved by {len(values)} ranks; rank {comm.rank} has no saved value "
-                "and keeps its current one.",
-                stacklevel=2,
+                f"'{key}': {_per_rank_story(meta, key, comm.world_size)}; ranks with a saved "
+                "value get it back, the others keep their current value (PerRank(..., "
+                "on_world_change='error') refuses such a load).",
+                stacklevel=6,
             )
 
 
 def files_needed(meta: Metadata, state: dict[str, Any]) -> set[str]:
     """The data files a load of ``state`` from a checkpoint with ``meta`` reads on this rank."""
     flat = flatten_state(state, for_load=True)
-    known = {
-        k: v
-        for k, v in flat.tensors.items()
-        if k in meta.tensors and tuple(meta.tensors[k].shape) == v.shape
-    }  # mismatches are reported by the load itself
-    return {r.file for r in _plan_all_reads(meta, Flattened(tensors=known))}
+    found = match_keys(meta, flat, strict=False)  # mismatches are reported by the load itself
+    plan = _Plan(meta, flat, found, SavedKeys.of(meta))
+    return {r.file for r in _plan_all_reads(plan)}

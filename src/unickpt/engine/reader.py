@@ -13,7 +13,7 @@ from ..format.dtypes import dtype_from_name
 from ..format.metadata import CommitRecord, Metadata
 from ..format.values import decode_value
 from ..layouts.boxes import Box
-from ..planning.load_plan import plan_reads
+from ..planning.load_plan import ChunkIndex, check_chunks_tile, plan_reads
 from ..storage.base import Storage
 from ..storage.registry import open_storage
 from .commit import read_checkpoint
@@ -42,25 +42,31 @@ class CheckpointReader:
         self.config = config or get_config()
         self.verify = verify
         self.bytes_read = 0
+        self._indexes: dict[str, ChunkIndex] = {}
 
     def keys(self) -> list[str]:
-        m = self.metadata
-        return sorted(set(m.tensors) | set(m.objects) | set(m.per_rank))
+        """Every key: tensors (tied keys included), values, per-rank values."""
+        return sorted(self.metadata.keys())
 
     def read_tensor(
         self, key: str, out: torch.Tensor | None = None, box: Box | None = None
     ) -> torch.Tensor:
-        """The whole tensor ``key`` (or the ``box`` of it) as a CPU tensor."""
-        meta = self.metadata.tensors.get(key)
+        """The whole tensor ``key`` (or the ``box`` of it) as a CPU tensor; a tied key reads
+        the tensor it is tied to."""
+        meta = self.metadata.tensor(key)
         if meta is None:
             raise CheckpointMismatchError(
                 f"'{key}' is not a tensor of this checkpoint; see `unickpt inspect` for its keys."
             )
+        stored = self.metadata.aliases.get(key, key)
+        index = self._indexes.get(stored)
+        if index is None:
+            index = self._indexes[stored] = check_chunks_tile(stored, meta)
         box = box or Box.whole(meta.shape)
         if out is None:
             out = torch.empty(box.lengths, dtype=dtype_from_name(meta.dtype))
         if box.numel:
-            items = plan_reads(key, meta, self.metadata.files, [(box, out)])
+            items = plan_reads(stored, meta, self.metadata.files, [(box, out)], index)
             stats: ReadStats = execute_reads(
                 self.storage, items, self.config, self.verify, self.metadata.segment_bytes
             )
@@ -72,8 +78,19 @@ class CheckpointReader:
         if key in self.metadata.objects:
             return decode_value(self.metadata.objects[key], key, allow_pickle)
         if key in self.metadata.per_rank:
-            return decode_value(self.metadata.per_rank[key][rank], key, allow_pickle)
+            found, encoded = self.metadata.per_rank_value(key, rank)
+            if not found:
+                raise CheckpointMismatchError(
+                    f"'{key}' holds no value of rank {rank} (the checkpoint has values of "
+                    f"ranks {self.per_rank_ranks(key)})."
+                )
+            return decode_value(encoded, key, allow_pickle)
         raise CheckpointMismatchError(f"'{key}' is not a value of this checkpoint.")
+
+    def per_rank_ranks(self, key: str) -> list[int]:
+        """The ranks that saved a value under per-rank ``key``."""
+        m = self.metadata
+        return [r for r in range(len(m.per_rank.get(key, ()))) if m.per_rank_value(key, r)[0]]
 
     def close(self) -> None:
         self.storage.close()

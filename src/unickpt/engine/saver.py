@@ -25,10 +25,11 @@ from ..dist import Comm, RankFailure, failure_of, raise_failures, run_step
 from ..errors import CheckpointExistsError
 from ..format.codec import encode_index
 from ..format.dtypes import dtype_name
-from ..format.metadata import ChunkMeta, FileRef, Metadata, TensorMeta
+from ..format.metadata import PER_RANK_ABSENT, ChunkMeta, FileRef, Metadata, TensorMeta
 from ..format.values import encode_value, needs_pickle
 from ..layouts.boxes import Box
 from ..planning.flatten import Flattened, flatten_state
+from ..planning.packed import PackedPlan
 from ..planning.save_plan import GlobalPlan, LocalPlan, TensorDecl, WriteItem, build_global_plan
 from ..storage.base import Storage
 from .checksum import digest
@@ -46,7 +47,8 @@ def _plan_key(signatures: tuple[str, ...]) -> str:
 
 @dataclass
 class PreparedSave:
-    """What one rank needs after planning: its items, their sources, the encoded values."""
+    """What one rank needs after planning: its items, their sources, the encoded values it
+    sends at the commit (its plain values by the plan, and its per-rank values)."""
 
     comm: Comm
     save_id: str
@@ -68,7 +70,9 @@ def local_plan(flat: Flattened) -> LocalPlan:
         k: TensorDecl(dtype_name(t.dtype), t.shape, t.layout, tuple(b for b, _ in t.pieces))
         for k, t in flat.tensors.items()
     }
-    return LocalPlan(tensors, tuple(sorted(flat.values)), tuple(sorted(flat.per_rank)))
+    return LocalPlan(
+        tensors, tuple(sorted(flat.values)), tuple(sorted(flat.per_rank)), dict(flat.aliases)
+    )
 
 
 def prepare(
@@ -80,11 +84,9 @@ def prepare(
     def describe() -> tuple[Any, Any]:
         flat = flatten_state(state)
         plan = local_plan(flat)
-        values = (
-            {k: encode_value(v.value, k, allow_pickle) for k, v in flat.values.items()}
-            if comm.is_coordinator
-            else {}
-        )
+        # Every rank encodes its values (in parallel, so no slower than one rank doing it) and
+        # learns from the plan which of them it sends: the lowest rank holding a key does.
+        values = {k: encode_value(v.value, k, allow_pickle) for k, v in flat.values.items()}
         per_rank = {k: encode_value(v.value, k, allow_pickle) for k, v in flat.per_rank.items()}
         extra = None
         if comm.is_coordinator:
@@ -97,7 +99,8 @@ def prepare(
                 )
             extra = uuid.uuid4().hex[:12]
         cached_key = next(iter(_PLAN_CACHE), None)
-        return (flat, plan, values, per_rank), (plan.signature(), cached_key, extra)
+        packed = plan.packed()
+        return (flat, packed, values, per_rank), (packed.signature(), cached_key, extra)
 
     try:
         (flat, plan, values, per_rank), shared = run_step(comm, "planning the save", describe)
@@ -106,7 +109,7 @@ def prepare(
         cached = all(c == key for _, c, _ in shared)
         global_plan = _PLAN_CACHE.get(key) if cached else None
         if global_plan is None:
-            global_plan = build_global_plan(comm.all_gather(plan))
+            global_plan = _agree_on_plan(comm, plan)
             _PLAN_CACHE.clear()
             _PLAN_CACHE[key] = global_plan
     except BaseException:
@@ -116,7 +119,21 @@ def prepare(
     items = global_plan.writes(comm.rank)
     views = _views_for(flat, items)
     release = held[0] if held else None
-    return PreparedSave(comm, save_id, global_plan, items, views, values, per_rank, cached, release)
+    mine = {k: values[k] for k in global_plan.values_of(comm.rank)}
+    return PreparedSave(comm, save_id, global_plan, items, views, mine, per_rank, cached, release)
+
+
+def _agree_on_plan(comm: Comm, plan: PackedPlan) -> GlobalPlan:
+    """Exchange the local plans and build the global one. Pure and run on every rank over the
+    same plans; run_step still gathers the outcome, so that a rank failing alone (out of
+    memory) cannot leave the others waiting."""
+    plans = comm.all_gather(plan)
+
+    def build() -> tuple[GlobalPlan, None]:
+        return build_global_plan(plans), None
+
+    built, _ = run_step(comm, "planning the save", build)
+    return built
 
 
 def _views_for(flat: Flattened, items: tuple[WriteItem, ...]) -> list[torch.Tensor]:
@@ -164,7 +181,7 @@ def write_and_commit(
     except Exception as e:  # noqa: BLE001 - reported to every rank
         failure, caught = failure_of(comm.rank, e), e
     write_s = time.perf_counter() - t0
-    payload = (failure, ref, prep.per_rank)
+    payload = (failure, ref, prep.per_rank, prep.values)
     outcome: list[RankFailure | None] = [failure]
     try:
         gathered = comm.gather(payload)
@@ -213,15 +230,19 @@ def _metadata(prep: PreparedSave, gathered: list[Any], config: Config) -> Metada
         k: TensorMeta(dtype, shape, layout, ())
         for k, (dtype, shape, layout) in prep.plan.tensors.items()
     }
-    per_rank = {k: tuple(g[2][k] for g in gathered) for k in prep.plan.per_rank_keys}
-    pickled = [k for k, v in prep.values.items() if needs_pickle(v)]
+    values = {k: gathered[rank][3][k] for k, rank in prep.plan.value_writers.items()}
+    per_rank = {
+        k: tuple(g[2].get(k, PER_RANK_ABSENT) for g in gathered) for k in prep.plan.per_rank_keys
+    }
+    pickled = [k for k, v in values.items() if needs_pickle(v)]
     pickled += [k for k, v in per_rank.items() if any(needs_pickle(x) for x in v)]
     return Metadata(
         world_size=prep.comm.world_size,
         files=tuple(r.data for r in refs),
         tensors=tensors,
-        objects=prep.values,
+        objects=values,
         per_rank=per_rank,
+        aliases=dict(prep.plan.aliases),
         segment_bytes=config.segment_bytes,
         created_unix_s=time.time(),
         producer={"unickpt": __version__, "torch": torch.__version__},

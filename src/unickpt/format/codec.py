@@ -53,6 +53,7 @@ def encode_metadata(meta: Metadata) -> bytes:
         "objects": meta.objects,
         "per_rank": {k: list(v) for k, v in meta.per_rank.items()},
         "pickled_keys": list(meta.pickled_keys),
+        "aliases": dict(meta.aliases),
     }
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
@@ -94,12 +95,21 @@ def decode_metadata(raw: bytes, source: str) -> Metadata:
             producer={str(k): str(v) for k, v in doc.get("producer", {}).items()},
             pickled_keys=tuple(str(k) for k in doc.get("pickled_keys", [])),
             file_refs=refs,
+            aliases=_aliases(doc.get("aliases", {}), tensors),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointCorruptError(
             f"{source}: the metadata is not well formed ({type(e).__name__}: {e}); the "
             "checkpoint is damaged. Load an earlier checkpoint."
         ) from e
+
+
+def _aliases(doc: Any, tensors: dict[str, TensorMeta]) -> dict[str, str]:
+    aliases = {str(k): str(v) for k, v in dict(doc).items()}
+    for key, target in aliases.items():
+        if target not in tensors or key in tensors:
+            raise ValueError(f"'{key}' is tied to '{target}', which is not a stored tensor")
+    return aliases
 
 
 def encode_index(data_file: str, entries: Sequence[tuple[str, ChunkMeta]]) -> bytes:

@@ -1,9 +1,10 @@
 """The metadata of a checkpoint: what each tensor is, where its chunks lie, their checksums.
 
-Version 1. See docs/format.md for the byte-level description. On disk the global metadata holds
-tensors, values and files; each writing rank's chunks live in that rank's index file, so the
-coordinator's work per save grows with tensors plus ranks, never with their product. Everything
-here is plain data: frozen dataclasses, encoded as JSON by :mod:`unickpt.format.codec`.
+Version 2 (version 1 is read too). See docs/format.md for the byte-level description. On disk
+the global metadata holds tensors, values and files; each writing rank's chunks live in that
+rank's index file, so the coordinator's work per save grows with tensors plus ranks, never with
+their product. Everything here is plain data: frozen dataclasses, encoded as JSON by
+:mod:`unickpt.format.codec`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,16 @@ from typing import Any
 from ..layouts.boxes import Box
 
 FORMAT_NAME = "unickpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 added ``aliases`` (tied weights) and ``{"$absent": true}`` in ``per_rank``."""
 COMMIT_FILE = "COMMIT"
 CHECKSUM_ALGORITHM = "xxh3_64"
+PER_RANK_ABSENT: dict[str, Any] = {"$absent": True}
+"""The entry of a ``per_rank`` list for a rank that held no value under that key."""
+
+
+def is_absent(encoded: Any) -> bool:
+    return encoded == PER_RANK_ABSENT
 
 
 @dataclass(frozen=True)
@@ -77,10 +85,37 @@ class Metadata:
     producer: dict[str, str] = field(default_factory=dict)
     pickled_keys: tuple[str, ...] = ()
     file_refs: tuple[FileRef, ...] = ()
+    aliases: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
         return sum(c.nbytes for t in self.tensors.values() for c in t.chunks)
+
+    def tensor(self, key: str) -> TensorMeta | None:
+        """The tensor stored under ``key`` or under the key it is tied to."""
+        found = self.tensors.get(key)
+        if found is None and key in self.aliases:
+            found = self.tensors.get(self.aliases[key])
+        return found
+
+    def keys(self) -> set[str]:
+        """Every key of the checkpoint: tensors, tied keys, values, per-rank values."""
+        return {*self.tensors, *self.aliases, *self.objects, *self.per_rank}
+
+    def per_rank_value(self, key: str, rank: int) -> tuple[bool, Any]:
+        """``(True, encoded value)`` saved by ``rank`` under per-rank ``key``, or ``(False,
+        None)`` where that rank did not exist or held no value there."""
+        values = self.per_rank.get(key, ())
+        if rank < len(values) and not is_absent(values[rank]):
+            return True, values[rank]
+        return False, None
+
+    def first_per_rank(self, key: str) -> tuple[int, Any] | None:
+        """``(rank, encoded value)`` of the lowest rank that saved a value under ``key``."""
+        for rank, encoded in enumerate(self.per_rank.get(key, ())):
+            if not is_absent(encoded):
+                return rank, encoded
+        return None
 
 
 @dataclass(frozen=True)

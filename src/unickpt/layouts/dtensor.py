@@ -1,7 +1,15 @@
-"""Where a DTensor's local shard lies in its global tensor."""
+"""Where a DTensor's local shard lies in its global tensor.
+
+For ``Shard`` and ``Replicate`` placements a local shard is one box, computed by DTensor's own
+``compute_local_shape_and_global_offset``. A ``_StridedShard`` (FSDP2 over tensor parallelism)
+may give a rank rows that are not contiguous in the global tensor; there the global index of
+every local row is worked out per dimension, by DTensor's own splitting rules applied to the
+indices, and each run of consecutive indices becomes a box.
+"""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -12,62 +20,117 @@ from .boxes import Box
 try:
     from torch.distributed.tensor import DTensor, Partial
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Shard
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
+
+try:
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - torch without strided shards
+    _StridedShard = None  # type: ignore[assignment,misc]
+
+# One run of consecutive global indices along a dimension: (global start, local start, length).
+Run = tuple[int, int, int]
+# Per dimension, the runs of this rank's local shard.
+Layout = tuple[tuple[Run, ...], ...]
 
 
 def is_dtensor(value: Any) -> bool:
     return DTensor is not None and isinstance(value, DTensor)
 
 
-# (global shape, mesh, placements) -> (local shape, global offsets), or None where this rank
+# (global shape, mesh, placements) -> the runs of this rank's shard, or None where this rank
 # is outside the mesh. DTensor's own computation costs ~50 us a tensor, which a state of
 # thousands of tensors would pay on every save; layouts repeat from one save to the next.
-_BOXES: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
-_BOXES_MAX = 1 << 16
+_LAYOUTS: dict[tuple[Any, ...], Layout | None] = {}
+_LAYOUTS_MAX = 1 << 16
 
 
-def _local_shape_and_offsets(dt: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def _layout(dt: Any) -> Layout | None:
     key = (tuple(dt.shape), dt.device_mesh, tuple(dt.placements))
     try:
-        return _BOXES[key]
+        return _LAYOUTS[key]
     except KeyError:
         pass
-    found: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    found: Layout | None = None
     if dt.device_mesh.get_coordinate() is not None:
-        shape, offsets = compute_local_shape_and_global_offset(
-            dt.shape, dt.device_mesh, dt.placements
-        )
-        found = (tuple(int(s) for s in shape), tuple(int(o) for o in offsets))
-    if len(_BOXES) >= _BOXES_MAX:
-        _BOXES.clear()
-    _BOXES[key] = found
+        if _StridedShard is not None and any(isinstance(p, _StridedShard) for p in dt.placements):
+            found = _strided_layout(dt)
+        else:
+            shape, offsets = compute_local_shape_and_global_offset(
+                dt.shape, dt.device_mesh, dt.placements
+            )
+            found = tuple(((int(o), 0, int(n)),) for o, n in zip(offsets, shape))
+    if len(_LAYOUTS) >= _LAYOUTS_MAX:
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = found
     return found
 
 
-def dtensor_box(key: str, dt: Any) -> Box | None:
-    """The box of the global tensor that this rank's local shard of ``dt`` holds.
+def _strided_layout(dt: Any) -> Layout:
+    """Runs per dimension from the global index of every local position along it."""
+    mesh = dt.device_mesh
+    coordinate = mesh.get_coordinate()
+    indices = [torch.arange(int(n)) for n in dt.shape]
+    for mesh_dim, placement in enumerate(dt.placements):
+        if not isinstance(placement, (Shard, _StridedShard)):
+            continue
+        d = placement.dim
+        split = _one_dim(placement)
+        parts, _ = split._split_tensor(
+            indices[d], mesh.size(mesh_dim), with_padding=False, contiguous=False
+        )
+        indices[d] = parts[coordinate[mesh_dim]].reshape(-1)
+    return tuple(_runs(ix.tolist()) for ix in indices)
 
-    None when this rank holds no part of it (not in the mesh, or an empty uneven last shard).
+
+def _one_dim(placement: Any) -> Any:
+    """The same placement acting on dimension 0 of a 1-d tensor of indices."""
+    if isinstance(placement, _StridedShard):
+        return _StridedShard(0, split_factor=placement.split_factor)
+    return Shard(0)
+
+
+def _runs(indices: list[int]) -> tuple[Run, ...]:
+    runs: list[Run] = []
+    for local, g in enumerate(indices):
+        if runs and runs[-1][0] + runs[-1][2] == g:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((g, local, 1))
+    return tuple(runs)
+
+
+def dtensor_pieces(key: str, dt: Any, local: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
+    """The boxes of the global tensor that this rank's local shard of ``dt`` holds, each with
+    the view of ``local`` holding it. Empty when this rank holds no element.
     """
     if any(isinstance(p, Partial) for p in dt.placements):
         raise CheckpointError(
             f"'{key}' is a DTensor with a Partial placement {dt.placements}; a checkpoint holds "
             "final values. Call .redistribute() to Replicate() or Shard() before saving."
         )
-    found = _local_shape_and_offsets(dt)
-    if found is None:
-        return None
-    shape, offsets = found
-    local = local_tensor(dt)
+    layout = _layout(dt)
+    if layout is None:
+        return []
+    shape = tuple(sum(n for _, _, n in runs) for runs in layout)
     if tuple(local.shape) != shape:
         raise CheckpointError(
             f"'{key}': the DTensor's local shard has shape {tuple(local.shape)} but its placements "
             f"{dt.placements} on mesh {tuple(dt.device_mesh.shape)} give {shape}; unickpt "
             "supports shards laid out as DTensor's own rules say (no custom padding)."
         )
-    box = Box(offsets, shape)
-    return box if box.numel > 0 else None
+    if any(n == 0 for n in shape):
+        return []
+    if all(len(runs) == 1 for runs in layout):
+        return [(Box(tuple(r[0][0] for r in layout), shape), local)]
+    pieces = []
+    for combo in itertools.product(*layout):
+        box = Box(tuple(g for g, _, _ in combo), tuple(n for _, _, n in combo))
+        view = local[tuple(slice(first, first + n) for _, first, n in combo)]
+        pieces.append((box, view))
+    return pieces
 
 
 def local_tensor(dt: Any) -> torch.Tensor:

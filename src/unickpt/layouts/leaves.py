@@ -80,14 +80,25 @@ class FlatShard:
 class PerRank:
     """A value that differs per rank (RNG state, a data position): restored to the same rank.
 
-    Load replaces ``value``. When the world size changed since the save, a strict load refuses
-    and a non-strict load keeps the current value on ranks the checkpoint has no value for.
+    Load replaces ``value`` with the one this rank saved. When the world size changed since the
+    save (or this rank held no value under the key then), ranks with a saved value get it back,
+    the others keep their current value, and a warning says so once per key;
+    ``on_world_change="error"`` refuses the load instead.
 
     >>> import torch, unickpt
     >>> state = {"rng": unickpt.PerRank(torch.get_rng_state())}
+    >>> # after unickpt.load(path, state): torch.set_rng_state(state["rng"].value)
     """
 
     value: Any = field(default=None)
+    on_world_change: str = "warn"
+
+    def __post_init__(self) -> None:
+        if self.on_world_change not in ("warn", "error"):
+            raise CheckpointError(
+                f"PerRank(on_world_change={self.on_world_change!r}): expected 'warn' (keep the "
+                "current value where none was saved) or 'error' (refuse the load)."
+            )
 
 
 def is_flat_source(value: Any) -> bool:

@@ -20,9 +20,9 @@ import torch
 
 from ..errors import CheckpointError
 from ..layouts.boxes import Box, flat_range_to_boxes
-from ..layouts.dtensor import dtensor_box, is_dtensor, local_tensor
+from ..layouts.dtensor import dtensor_pieces, is_dtensor, local_tensor
 from ..layouts.leaves import FlatShard, PerRank, ShardedTensor
-from .stateful import StatefulAdapter, collect_modules, is_stateful
+from .stateful import StatefulAdapter, collect_modules, is_numbered_optimizer_state, is_stateful
 
 
 @dataclass
@@ -45,13 +45,21 @@ class ValueLeaf:
 
 @dataclass
 class Flattened:
+    """The leaves of a state.
+
+    ``aliases`` maps each further key of a tensor met twice (tied weights) to its first key;
+    ``numbered`` lists the prefixes of optimizer state dicts keyed by parameter number.
+    """
+
     tensors: dict[str, TensorLeaf] = field(default_factory=dict)
     values: dict[str, ValueLeaf] = field(default_factory=dict)
     per_rank: dict[str, PerRank] = field(default_factory=dict)
     stateful: list[tuple[StatefulAdapter, dict[str, Any]]] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+    numbered: list[str] = field(default_factory=list)
 
     def keys(self) -> set[str]:
-        return set(self.tensors) | set(self.values) | set(self.per_rank)
+        return set(self.tensors) | set(self.values) | set(self.per_rank) | set(self.aliases)
 
 
 def flatten_state(state: dict[str, Any], for_load: bool = False) -> Flattened:
@@ -72,6 +80,7 @@ class _Walker:
         self.modules = modules
         self.for_load = for_load
         self.seen: set[str] = set()
+        self.tensor_keys: dict[tuple[Any, ...], str] = {}
 
     def claim(self, key: str) -> str:
         if key in self.seen:
@@ -90,6 +99,8 @@ class _Walker:
         if isinstance(value, (dict, list)) and not value:
             self.value(key, value, _setter(parent, slot))
         elif isinstance(value, dict) and not is_stateful(value):
+            if is_numbered_optimizer_state(value):
+                self.out.numbered.append(key)
             self.walk_dict(value, key + ".")
         elif isinstance(value, list) and _holds_state(value):
             for i, v in enumerate(value):
@@ -97,14 +108,27 @@ class _Walker:
         elif isinstance(value, PerRank):
             self.out.per_rank[self.claim(key)] = value
         elif isinstance(value, (torch.Tensor, ShardedTensor, FlatShard)):
-            self.out.tensors[self.claim(key)] = tensor_leaf(key, value)
+            self.tensor(self.claim(key), value)
         elif is_stateful(value):
             adapter = StatefulAdapter(value, self.modules)
             template = adapter.state_dict(self.for_load)
             self.out.stateful.append((adapter, template))
+            if is_numbered_optimizer_state(template):
+                self.out.numbered.append(key)
             self.walk_dict(template, key + ".")
         else:
             self.value(key, value, _setter(parent, slot))
+
+    def tensor(self, key: str, value: Any) -> None:
+        """A tensor leaf, or an alias of the key where the same tensor was met first."""
+        identity = tensor_identity(value)
+        first = self.tensor_keys.get(identity) if identity is not None else None
+        if first is not None:
+            self.out.aliases[key] = first
+            return
+        if identity is not None:
+            self.tensor_keys[identity] = key
+        self.out.tensors[key] = tensor_leaf(key, value)
 
     def value(self, key: str, value: Any, setter: Callable[[Any], None] | None) -> None:
         self.out.values[self.claim(key)] = ValueLeaf(key, value, setter)
@@ -119,6 +143,29 @@ def _holds_state(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_holds_state(v) for v in value)
     return is_stateful(value)
+
+
+def tensor_identity(value: Any) -> tuple[Any, ...] | None:
+    """What makes two tensor leaves one tensor: the same memory seen the same way.
+
+    Tied weights (``lm_head.weight`` and ``wte.weight``) give equal identities, whether the
+    state holds the parameter itself or a detached view of it. None for tensors without
+    memory of their own (empty, meta).
+    """
+    how: tuple[Any, ...]
+    if isinstance(value, ShardedTensor):
+        local, how = value.local, ("sharded", value.global_shape, value.offsets)
+    elif isinstance(value, FlatShard):
+        local, how = value.local, ("flat", value.global_shape, value.flat_offset)
+    elif is_dtensor(value):
+        local = local_tensor(value)
+        how = ("dtensor", tuple(value.shape), id(value.device_mesh), tuple(value.placements))
+    else:
+        local, how = value, ("plain",)
+    if local.device.type == "meta" or local.numel() == 0:
+        return None
+    layout = (local.data_ptr(), local.dtype, local.device, tuple(local.shape), local.stride())
+    return (*how, *layout)
 
 
 def _setter(parent: Any, slot: Any) -> Callable[[Any], None] | None:
@@ -142,8 +189,7 @@ def tensor_leaf(key: str, value: Any) -> TensorLeaf:
         return TensorLeaf(key, value.local.dtype, value.global_shape, "flat", _flat_pieces(value))
     if is_dtensor(value):
         local = local_tensor(value).detach()
-        held = dtensor_box(key, value)
-        pieces = [(held, local)] if held is not None else []
+        pieces = dtensor_pieces(key, value, local)
         return TensorLeaf(key, local.dtype, tuple(int(s) for s in value.shape), "dtensor", pieces)
     t = value.detach()
     shape = tuple(int(s) for s in t.shape)

@@ -1,18 +1,24 @@
 """The read plan: which saved chunks overlap which destination boxes.
 
 Matching uses an index per tensor (chunks sorted along their most-split dimension), so a
-destination box looks at the chunks that can overlap it, never at all of them.
+destination box looks at the chunks that can overlap it, never at all of them. The chunks of a
+tensor that is read must tile it exactly (:func:`check_chunks_tile`, on arrays, remembered per
+split pattern as at save), so every wanted element comes from exactly one chunk.
 """
 
 from __future__ import annotations
 
-import bisect
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ..errors import CheckpointCorruptError
 from ..format.metadata import ChunkMeta, TensorMeta
 from ..layouts.boxes import Box
+from ..layouts.coverage import TilingFault, tiling_fault
+from .patterns import pattern_of
 
 
 @dataclass(frozen=True)
@@ -27,18 +33,36 @@ class ReadItem:
 
 
 class ChunkIndex:
-    """Saved chunks of one tensor, sorted along the dimension that splits them most."""
+    """Saved chunks of one tensor, sorted along the dimension that splits them most.
 
-    def __init__(self, chunks: tuple[ChunkMeta, ...]) -> None:
+    The chunks' offsets and lengths are read into one array (one pass, no object per chunk);
+    a destination box looks only at the chunks whose start along that dimension lies within
+    the longest chunk's reach of it, and builds objects only for those that overlap it.
+    """
+
+    def __init__(self, chunks: tuple[ChunkMeta, ...] | list[ChunkMeta]) -> None:
+        self.all = tuple(chunks)
         ndim = len(chunks[0].offsets) if chunks else 0
-        self.dim = 0
-        if ndim:
-            spread = [len({c.offsets[d] for c in chunks}) for d in range(ndim)]
-            self.dim = max(range(ndim), key=lambda d: spread[d])
-        self.chunks = sorted(chunks, key=lambda c: c.offsets[self.dim] if ndim else 0)
-        self.starts = [c.offsets[self.dim] if ndim else 0 for c in self.chunks]
-        self.max_len = max((c.lengths[self.dim] if ndim else 1 for c in chunks), default=0)
         self.ndim = ndim
+        coords = np.fromiter(
+            itertools.chain.from_iterable(c.offsets + c.lengths for c in self.all),
+            dtype=np.int64,
+            count=len(self.all) * 2 * ndim,
+        ).reshape(len(self.all), 2 * ndim)
+        self.coords = coords
+        self.dim = 0
+        if ndim and len(coords):
+            spread = [len(np.unique(coords[:, d])) for d in range(ndim)]
+            self.dim = int(np.argmax(spread))
+        along = coords[:, self.dim] if ndim else np.zeros(len(coords), dtype=np.int64)
+        self.order = np.argsort(along, kind="stable")
+        self.starts = along[self.order]
+        self.max_len = int(coords[:, ndim + self.dim].max()) if ndim and len(coords) else 0
+
+    @property
+    def chunks(self) -> list[ChunkMeta]:
+        """The chunks in the index's order."""
+        return [self.all[i] for i in self.order.tolist()]
 
     def overlapping(self, box: Box) -> list[tuple[ChunkMeta, Box]]:
         """Chunks overlapping ``box``, each with the overlap."""
@@ -46,10 +70,16 @@ class ChunkIndex:
             return [(c, box) for c in self.chunks]
         lo = box.offsets[self.dim] - self.max_len + 1
         hi = box.offsets[self.dim] + box.lengths[self.dim]
-        first = bisect.bisect_left(self.starts, lo)
-        last = bisect.bisect_left(self.starts, hi)
+        first, last = np.searchsorted(self.starts, [lo, hi], side="left").tolist()
+        near = self.order[first:last]
+        rows = self.coords[near]
+        ndim = self.ndim
+        offsets, lengths = rows[:, :ndim], rows[:, ndim:]
+        want_lo, want_hi = np.array(box.offsets), np.array(box.ends)
+        meets = ((offsets < want_hi) & (offsets + lengths > want_lo) & (lengths > 0)).all(axis=1)
         found = []
-        for chunk in self.chunks[first:last]:
+        for i in near[meets].tolist():
+            chunk = self.all[i]
             overlap = chunk.box.intersect(box)
             if overlap is not None:
                 found.append((chunk, overlap))
@@ -73,6 +103,26 @@ def plan_reads(
     return items
 
 
-def uncovered_elements(pieces: list[tuple[Box, torch.Tensor]], items: list[ReadItem]) -> int:
-    """How many wanted elements no saved chunk provides (0 for a sound checkpoint)."""
-    return sum(b.numel for b, _ in pieces) - sum(i.region.numel for i in items)
+def check_chunks_tile(key: str, meta: TensorMeta) -> ChunkIndex:
+    """Raise :class:`CheckpointCorruptError` unless the saved chunks of ``key`` hold every
+    element of the tensor exactly once (a damaged or forged index could overlap them); the
+    index of the chunks, built for the check, for matching."""
+    index = ChunkIndex(meta.chunks)
+    shape = meta.shape
+    rows = index.coords if index.ndim == len(shape) else None
+    fault = None
+    if rows is None or not len(rows):
+        fault = tiling_fault(shape, [c.box for c in meta.chunks])
+    else:
+        pattern = pattern_of(shape, rows)
+        fault = pattern.fault
+        twice = pattern.first[pattern.counts > 1]  # a chunk listed twice (not an empty one)
+        twice = twice[(rows[twice, len(shape) :] > 0).all(axis=1)]
+        if len(twice):
+            fault = TilingFault("overlap", meta.chunks[int(twice[0])].box)
+    if fault is not None:
+        raise CheckpointCorruptError(
+            f"the saved chunks of '{key}' (global shape {list(meta.shape)}) do not tile it: "
+            f"{fault.describe()}; the metadata is damaged. Load an earlier checkpoint."
+        )
+    return index

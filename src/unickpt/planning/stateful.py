@@ -96,6 +96,21 @@ def _uses_fsdp1(module: nn.Module) -> bool:
     return bool(FSDP1) and any(isinstance(m, FSDP1) for m in module.modules())
 
 
+def is_numbered_optimizer_state(value: Any) -> bool:
+    """Whether ``value`` has ``torch.optim.Optimizer.state_dict()``'s format: state keyed by
+    parameter number, param groups listing numbers."""
+    if not isinstance(value, dict) or set(value) != {"state", "param_groups"}:
+        return False
+    state, groups = value["state"], value["param_groups"]
+    return (
+        isinstance(state, dict)
+        and all(isinstance(k, int) for k in state)
+        and isinstance(groups, list)
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+        and all(isinstance(p, int) for g in groups for p in g["params"])
+    )
+
+
 def owner_module(
     optimizer: torch.optim.Optimizer, modules: list[nn.Module]
 ) -> tuple[nn.Module, dict[int, str]] | None:
@@ -112,13 +127,20 @@ def owner_module(
 
 
 class StatefulAdapter:
-    """Gets a state dict template from an object and gives it back after loading."""
+    """Gets a state dict template from an object and gives it back after loading.
+
+    An optimizer whose ``state_dict()`` has torch's format (state keyed by parameter number)
+    is keyed by parameter name here; an optimizer class with a format of its own (an
+    optimizers container keyed by names) is an object like any other.
+    """
 
     def __init__(self, obj: Any, modules: list[nn.Module]) -> None:
         self.obj = obj
         self.model: nn.Module | None = None
         self.names: dict[int, str] = {}
-        if isinstance(obj, torch.optim.Optimizer):
+        self._taken: dict[str, Any] | None = None
+        self.numbered = isinstance(obj, torch.optim.Optimizer) and self._torch_format()
+        if self.numbered:
             owner = owner_module(obj, modules)
             if owner is not None:
                 self.model, self.names = owner
@@ -129,6 +151,17 @@ class StatefulAdapter:
                 )
         target = obj if isinstance(obj, nn.Module) else self.model
         self.fsdp1 = target is not None and _uses_fsdp1(target)
+
+    def _torch_format(self) -> bool:
+        """Whether the optimizer's state dict is torch's (asking it only if its class has its
+        own ``state_dict``; that answer is kept for the first :meth:`state_dict`)."""
+        if type(self.obj).state_dict is torch.optim.Optimizer.state_dict:
+            return True
+        taken = self.obj.state_dict()
+        if is_numbered_optimizer_state(taken):
+            return True
+        self._taken = taken
+        return False
 
     @property
     def order(self) -> int:
@@ -149,6 +182,9 @@ class StatefulAdapter:
             if for_load and not self.obj.state and dcp_state_dict is not None:
                 dcp_state_dict._init_optim_state(self.obj)
             return _named_optimizer_state(self.obj, self.names)
+        if self._taken is not None:
+            taken, self._taken = self._taken, None
+            return taken
         return self.obj.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

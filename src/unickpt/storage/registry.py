@@ -28,8 +28,8 @@ BackendFactory = Callable[[str], Storage]
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _FACTORIES: dict[str, BackendFactory] = {}
 _MODULES: dict[str, tuple[str, str]] = {
-    # scheme: (module that registers it on import, the extra that installs its dependencies),
-    # for example "s3": ("unickpt.storage.s3", "s3")
+    # scheme: (module that registers it on import, the extra that installs its dependencies)
+    "s3": ("unickpt.storage.s3", "s3"),
 }
 _LOCK = threading.Lock()
 

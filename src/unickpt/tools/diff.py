@@ -267,14 +267,16 @@ def _encoded_values(reader: CheckpointReader) -> dict[str, Any]:
 
 def _show(reader: CheckpointReader, key: str) -> str:
     meta = reader.metadata
+    rank = None
     if key in meta.objects:
         encoded = meta.objects[key]
-    elif meta.per_rank[key]:
-        encoded = meta.per_rank[key][0]
     else:
-        return "<no rank's value>"
+        first = meta.first_per_rank(key)
+        if first is None:
+            return "<no rank's value>"
+        rank, encoded = first
     try:
         text = short_repr(decode_value(encoded, key, allow_pickle=False))
     except UnsafeObjectError:
         return "<saved with pickle>"
-    return f"{text} (rank 0)" if key in meta.per_rank else text
+    return f"{text} (rank {rank})" if rank is not None else text

@@ -39,7 +39,7 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """A stored Python value; ``per_rank`` ones show rank 0's value."""
+    """A stored Python value; ``per_rank`` ones show the lowest saving rank's value."""
 
     key: str
     type: str
@@ -134,7 +134,9 @@ def _tensor(key: str, meta: Metadata) -> TensorInfo:
 
 def _objects(meta: Metadata) -> tuple[ObjectInfo, ...]:
     out = [_object(k, meta.objects[k], meta, False) for k in meta.objects]
-    out += [_object(k, v[0] if v else None, meta, True) for k, v in meta.per_rank.items()]
+    for k in meta.per_rank:
+        first = meta.first_per_rank(k)
+        out.append(_object(k, first[1] if first else None, meta, True))
     return tuple(sorted(out, key=lambda o: o.key))
 
 

@@ -9,7 +9,7 @@ usual ``{"model": model.state_dict(), ...}`` checkpoint.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointMismatchError
@@ -18,10 +18,15 @@ from ..format.metadata import Metadata
 
 @dataclass(frozen=True)
 class Selection:
-    """Output name -> checkpoint key, for tensors and for values (objects and per-rank)."""
+    """Output name -> checkpoint key, for tensors and for values (objects and per-rank).
+
+    ``aliases``: output name of a tied key -> output name of the tensor it is tied to (a tied
+    key whose tensor lies outside the selection is an ordinary entry of ``tensors``).
+    """
 
     tensors: dict[str, str]
     values: dict[str, str]
+    aliases: dict[str, str] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -32,7 +37,9 @@ def select_keys(meta: Metadata, only: str | None = None) -> Selection:
     """Every key, or the subtree ``only`` with its prefix removed."""
     value_keys = sorted(set(meta.objects) | set(meta.per_rank))
     if not only:
-        return Selection({k: k for k in sorted(meta.tensors)}, {k: k for k in value_keys})
+        return _with_aliases(
+            meta, "", {k: k for k in sorted(meta.tensors)}, {k: k for k in value_keys}
+        )
     prefix = only.rstrip(".") + "."
     tensors = {k[len(prefix) :]: k for k in sorted(meta.tensors) if k.startswith(prefix)}
     values = {k[len(prefix) :]: k for k in value_keys if k.startswith(prefix)}
@@ -48,7 +55,22 @@ def select_keys(meta: Metadata, only: str | None = None) -> Selection:
             f"--only {only}: {found}; expected one of the checkpoint's top-level names: "
             f"{', '.join(tops[:20]) or '(none)'}. See `unickpt inspect` for every key."
         )
-    return Selection(tensors, values)
+    return _with_aliases(meta, prefix, tensors, values)
+
+
+def _with_aliases(
+    meta: Metadata, prefix: str, tensors: dict[str, str], values: dict[str, str]
+) -> Selection:
+    aliases = {}
+    for key, target in sorted(meta.aliases.items()):
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix) :]
+        if target.startswith(prefix):
+            aliases[name] = target[len(prefix) :]
+        else:
+            tensors[name] = key
+    return Selection(tensors, values, aliases)
 
 
 def nest_top_level(flat: dict[str, Any]) -> dict[str, Any]:

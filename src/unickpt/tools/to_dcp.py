@@ -93,8 +93,11 @@ def export_dcp(
         warn_left_out(left_out, "DCP export")
         flat: dict[str, Any] = {}
         keys: dict[int, str] = {}
-        for name, key in selection.tensors.items():
-            meta = reader.metadata.tensors[key]
+        # DCP keeps every name of tied weights, each with its own copy
+        tied = {name: selection.tensors[t] for name, t in selection.aliases.items()}
+        for name, key in {**selection.tensors, **tied}.items():
+            meta = reader.metadata.tensor(key)
+            assert meta is not None
             t = torch.empty(meta.shape, dtype=dtype_from_name(meta.dtype), device="meta")
             flat[name] = t
             keys[id(t)] = key

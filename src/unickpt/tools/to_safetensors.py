@@ -56,6 +56,9 @@ def export_safetensors(
     ``model.safetensors``, or, above ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors``
     shards and ``model.safetensors.index.json``. ``only="model"`` writes the ``model``
     subtree with its prefix removed. Python values are left out (safetensors holds tensors).
+    Tied weights are written once, under the key the state held them first (as Hugging Face's
+    ``save_pretrained`` keeps ``wte.weight`` and drops ``lm_head.weight``; ``from_pretrained``
+    ties them again).
 
     ``src`` is a checkpoint at any path or URL (or a Storage); ``verify=False`` reads it without
     checking its checksums. ``dst`` is a local path.
@@ -73,6 +76,8 @@ def export_safetensors(
             for k in selection.values.values()
         ]
         warn_left_out(left_out, "safetensors export")
+        for name, target in selection.aliases.items():
+            log.info("'%s' is tied to '%s': written once, under '%s'", name, target, target)
         writer = _Writer(reader, keys, block_bytes, progress, sum(e.nbytes for e in entries))
         if dst_path.suffix == ".safetensors":
             with atomic_file(dst_path, overwrite) as tmp:

@@ -74,7 +74,9 @@ def export_torch(
         values, left_out = decode_values(reader, selection)
         values = _weights_only_values(values, selection.values, left_out)
         warn_left_out(left_out, "torch export")
-        obj, fills = _skeleton(reader, selection.tensors, values, nested=not only)
+        obj, fills = _skeleton(
+            reader, selection.tensors, selection.aliases, values, nested=not only
+        )
         total = sum(f.nbytes for f in fills if f.key is not None)
         with atomic_file(dst_path, overwrite) as tmp:
             with torch.serialization.skip_data(materialize_fake_tensors=True):
@@ -94,11 +96,17 @@ def export_torch(
 
 
 def _skeleton(
-    reader: CheckpointReader, tensors: dict[str, str], values: dict[str, Any], nested: bool
+    reader: CheckpointReader,
+    tensors: dict[str, str],
+    aliases: dict[str, str],
+    values: dict[str, Any],
+    nested: bool,
 ) -> tuple[dict[str, Any], list[_Fill]]:
-    """The object to save, holding fake tensors, and where each tensor's bytes come from."""
+    """The object to save, holding fake tensors, and where each tensor's bytes come from.
+    A tied key holds the very tensor it is tied to (``torch.save`` stores it once)."""
     fills: list[_Fill] = []
     flat = _fake_tensors(reader, tensors, fills)
+    flat.update({name: flat[target] for name, target in aliases.items()})
     flat.update({name: _fake_nested(v, (name,), fills) for name, v in values.items()})
     flat = dict(sorted(flat.items()))
     if not nested:
@@ -123,7 +131,8 @@ def _fake_tensors(
     out: dict[str, Any] = {}
     with _fake_mode():
         for name, key in tensors.items():
-            meta = reader.metadata.tensors[key]
+            meta = reader.metadata.tensor(key)
+            assert meta is not None
             t = torch.empty(meta.shape, dtype=dtype_from_name(meta.dtype))
             out[name] = t
             fills.append(_Fill((name,), key, None, t.numel() * t.element_size()))

@@ -18,7 +18,7 @@ def decode_values(
     """Values by output name, and ``"key: reason"`` for each one left out.
 
     Values saved with pickle are left out (an export never runs code from a checkpoint). A
-    per-rank value becomes the value of rank 0.
+    per-rank value becomes the value of the lowest rank that saved one.
     """
     meta = reader.metadata
     out: dict[str, Any] = {}
@@ -27,16 +27,18 @@ def decode_values(
         if key in meta.pickled_keys:
             left_out.append(f"{key}: saved with pickle")
             continue
-        if key in meta.per_rank and not meta.per_rank[key]:
+        first = meta.first_per_rank(key) if key in meta.per_rank else None
+        if key in meta.per_rank and first is None:
             left_out.append(f"{key}: per-rank value with no rank's value stored")
             continue
+        rank = first[0] if first is not None else 0
         try:
-            out[name] = reader.read_value(key, rank=0)
+            out[name] = reader.read_value(key, rank=rank)
         except UnsafeObjectError:
             left_out.append(f"{key}: saved with pickle")
             continue
         if key in meta.per_rank and len(meta.per_rank[key]) > 1:
-            log.info("'%s' is a per-rank value; exporting the value of rank 0", key)
+            log.info("'%s' is a per-rank value; exporting the value of rank %d", key, rank)
     return out, left_out
 
 

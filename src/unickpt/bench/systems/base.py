@@ -1,9 +1,11 @@
 """The interface every benchmarked system implements.
 
-The runner calls, on every rank and in this order: ``save`` (returns when the call returns),
-``SaveHandle.wait_until_mutable`` (what the training loop must wait for before changing the
-state), one training iteration, ``SaveHandle.wait`` (durable), then ``load`` into the same
-layout and ``reshard_load`` into the other one, then ``close``.
+One instance per rank and run, in a fresh process. The runner calls, on every rank and in this
+order: a warm-up ``save`` and its waits (unless ``--no-warmup``), then the measured ``save``
+(returns when the call returns), ``SaveHandle.wait_until_mutable`` (what the training loop must
+wait for before changing the state), one training iteration, ``SaveHandle.wait`` (durable), then
+``load`` into the same layout and ``reshard_load`` into the other one, ``extra_measures``, then
+``close``. The state's tensors are on ``state.device`` (``"cpu"`` or ``"cuda"``).
 """
 
 from __future__ import annotations
@@ -36,9 +38,14 @@ class SaveHandle:
 
 
 class CheckpointSystem(ABC):
-    """One way of checkpointing a :class:`TrainState`; one instance per rank and run."""
+    """One way of checkpointing a :class:`TrainState`; one instance per rank and run.
 
-    #: A sentence for the report on how this system was run (what is gathered, what fsyncs).
+    Run every system at its best settings for the machine (writer threads, caching, staging),
+    and say which in ``notes``: the report prints them beside the row.
+    """
+
+    #: Sentences for the report on how this system was run (settings, what fsyncs); set it in
+    #: ``__init__`` when it depends on the machine or the device.
     notes: str = ""
 
     def __init__(self, info: SystemInfo) -> None:
@@ -55,6 +62,13 @@ class CheckpointSystem(ABC):
     def reshard_load(self, path: Path, state: TrainState) -> None:
         """Load ``path`` into ``state`` whose layout differs from the saved one."""
         self.load(path, state)
+
+    def extra_measures(self, path: Path, state: TrainState) -> dict[str, float]:
+        """Figures beyond the standard phases, keyed by measures declared in
+        ``unickpt.bench.measures.MEASURES``. Called on every rank (collectives allowed, in the
+        same order everywhere) after the loads, while the checkpoint at ``path`` still exists;
+        ``state`` holds the saved values again."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - most systems hold nothing
         """Release what the system holds (threads, staging buffers, shared memory)."""

@@ -49,7 +49,10 @@ class _Holder:
 
 
 class TorchSnapshotSystem(CheckpointSystem):
-    notes = "each rank's local shards as plain tensors (DTensor unsupported); no fsync"
+    notes = (
+        "each rank's local shards as plain tensors (DTensor unsupported); no fsync; its "
+        "scheduler's defaults (no writer-thread setting)"
+    )
 
     def save(self, path: Path, state: TrainState) -> SaveHandle:
         holder = _Holder(_local_tensors(state))

@@ -15,6 +15,8 @@ class SystemInfo:
 
     ``module`` is the Python module that must import for the system to run; ``peer`` systems
     run in the separate peers environment, the others in the benchmark's own interpreter.
+    ``impl`` names the :class:`~unickpt.bench.systems.base.CheckpointSystem` subclass as
+    ``"package.module:Class"``; it is imported only in the job that runs the system.
     """
 
     name: str
@@ -22,16 +24,27 @@ class SystemInfo:
     module: str
     peer: bool
     description: str
+    impl: str
 
+
+_PKG = "unickpt.bench.systems"
 
 SYSTEM_INFOS: tuple[SystemInfo, ...] = (
-    SystemInfo("unickpt", "unickpt save", "unickpt", False, "unickpt.save, synchronous, durable"),
+    SystemInfo(
+        "unickpt",
+        "unickpt save",
+        "unickpt",
+        False,
+        "unickpt.save, synchronous, durable",
+        f"{_PKG}.unickpt_systems:UnickptSystem",
+    ),
     SystemInfo(
         "unickpt-async",
         "unickpt async_save",
         "unickpt",
         False,
         "unickpt.async_save; blocking ends at wait_snapshot()",
+        f"{_PKG}.unickpt_systems:UnickptAsyncSystem",
     ),
     SystemInfo(
         "unickpt-zero-stall",
@@ -39,14 +52,23 @@ SYSTEM_INFOS: tuple[SystemInfo, ...] = (
         "unickpt",
         False,
         "async_save(background_snapshot=True); blocking = call + wait in next optimizer.step",
+        f"{_PKG}.unickpt_systems:UnickptZeroStallSystem",
     ),
-    SystemInfo("dcp", "DCP save", "torch", False, "torch.distributed.checkpoint.save"),
+    SystemInfo(
+        "dcp",
+        "DCP save",
+        "torch",
+        False,
+        "torch.distributed.checkpoint.save, writer threads = unickpt's, plan caching",
+        f"{_PKG}.torch_systems:DcpSystem",
+    ),
     SystemInfo(
         "dcp-async-thread",
         "DCP async (thread)",
         "torch",
         False,
-        "dcp.async_save, thread executor, default stager",
+        "dcp.async_save, thread executor, reused DefaultStager (pinned + async on CUDA)",
+        f"{_PKG}.torch_systems:DcpAsyncThreadSystem",
     ),
     SystemInfo(
         "dcp-async-process",
@@ -54,6 +76,7 @@ SYSTEM_INFOS: tuple[SystemInfo, ...] = (
         "torch",
         False,
         "dcp.async_save, process executor, DefaultStager(pinned + shared memory)",
+        f"{_PKG}.torch_systems:DcpAsyncProcessSystem",
     ),
     SystemInfo(
         "torch-save",
@@ -61,6 +84,7 @@ SYSTEM_INFOS: tuple[SystemInfo, ...] = (
         "torch",
         False,
         "full state gathered to rank 0, torch.save + fsync; load broadcasts from rank 0",
+        f"{_PKG}.torch_systems:TorchSaveSystem",
     ),
     SystemInfo(
         "bytecheckpoint",
@@ -68,6 +92,7 @@ SYSTEM_INFOS: tuple[SystemInfo, ...] = (
         "bytecheckpoint",
         True,
         "bytecheckpoint.save/load, framework fsdp2, fast_saving/fast_loading",
+        f"{_PKG}.peer_bytecheckpoint:ByteCheckpointSystem",
     ),
     SystemInfo(
         "dlrover",
@@ -75,13 +100,15 @@ SYSTEM_INFOS: tuple[SystemInfo, ...] = (
         "dlrover.trainer.torch.flash_checkpoint",
         True,
         "flash checkpoint to memory then disk",
+        f"{_PKG}.peer_dlrover:DlroverSystem",
     ),
     SystemInfo(
         "megatron",
         "Megatron-Core 0.16.1",
         "megatron.core.dist_checkpointing",
         True,
-        "dist_checkpointing torch_dist backend, fully parallel save",
+        "dist_checkpointing torch_dist backend, writer threads = unickpt's, cached metadata",
+        f"{_PKG}.peer_megatron:MegatronSystem",
     ),
     SystemInfo(
         "torchsnapshot",
@@ -89,6 +116,7 @@ SYSTEM_INFOS: tuple[SystemInfo, ...] = (
         "torchsnapshot",
         True,
         "Snapshot.take / restore of each rank's local shards",
+        f"{_PKG}.peer_torchsnapshot:TorchSnapshotSystem",
     ),
 )
 

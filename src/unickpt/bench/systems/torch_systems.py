@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from concurrent.futures import Future
 from pathlib import Path
@@ -49,13 +50,60 @@ class _FutureHandle(SaveHandle):
         self._future.result()
 
 
-class DcpSystem(CheckpointSystem):
-    """``dcp.save`` / ``dcp.load`` through ``get_state_dict`` / ``set_state_dict``."""
+def _async_handle(result: Any) -> SaveHandle:
+    """The handle of ``dcp.async_save``'s result: a future, or a response whose staging
+    completion says when the state may change (asynchronous staging)."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-    notes = "FileSystemWriter fsyncs each file; load and reshard via get/set_state_dict"
+    if isinstance(result, AsyncSaveResponse):
+        return _FutureHandle(result.upload_completion, result.staging_completion)
+    return _FutureHandle(result)
+
+
+def writer_threads() -> int:
+    """unickpt's writer threads (``io_threads``), which DCP and the peers get too."""
+    from unickpt.config import get_config
+
+    return get_config().io_threads
+
+
+def _has_plan_caching() -> bool:
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    return "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
+
+
+class DcpSystem(CheckpointSystem):
+    """``dcp.save`` / ``dcp.load`` through ``get_state_dict`` / ``set_state_dict``, with as many
+    writer threads as unickpt and, where this torch has it, the save plan cached."""
+
+    def __init__(self, info: SystemInfo) -> None:
+        super().__init__(info)
+        self._threads = writer_threads()
+        self._plan_caching = _has_plan_caching()
+        caching = (
+            "DefaultSavePlanner(enable_plan_caching=True)"
+            if self._plan_caching
+            else "no plan caching in this torch"
+        )
+        self.notes = (
+            f"FileSystemWriter(thread_count={self._threads}, sync_files=True), as many writer "
+            f"threads as unickpt; {caching}; load and reshard via get/set_state_dict "
+            "(FileSystemReader has no thread setting)"
+        )
+
+    def _writer(self, path: Path) -> dcp.FileSystemWriter:
+        return dcp.FileSystemWriter(str(path), thread_count=self._threads, sync_files=True)
+
+    def _planner(self) -> dcp.DefaultSavePlanner:
+        if self._plan_caching:
+            return dcp.DefaultSavePlanner(enable_plan_caching=True)  # type: ignore[call-arg]
+        return dcp.DefaultSavePlanner()
 
     def save(self, path: Path, state: TrainState) -> SaveHandle:
-        dcp.save(sharded_state_dict(state), checkpoint_id=str(path))
+        dcp.save(
+            sharded_state_dict(state), storage_writer=self._writer(path), planner=self._planner()
+        )
         return SaveHandle()
 
     def load(self, path: Path, state: TrainState) -> None:
@@ -64,66 +112,79 @@ class DcpSystem(CheckpointSystem):
         apply_state_dict(state, target, None)
 
 
+def _stager(state_on_cuda: bool, shared_memory: bool) -> Any:
+    """DCP's ``DefaultStager``, kept for every save so its staging buffers are reused: on CUDA
+    pinned memory, staging in its own thread and non-blocking copies; on CPU plain copies
+    (PyTorch refuses pinning and asynchronous staging without a device)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    options = StagingOptions(
+        use_pinned_memory=state_on_cuda,
+        use_shared_memory=shared_memory,
+        use_async_staging=state_on_cuda,
+        use_non_blocking_copy=state_on_cuda,
+    )
+    return DefaultStager(options)
+
+
 class DcpAsyncThreadSystem(DcpSystem):
-    """``dcp.async_save`` with the default thread executor and default (blocking) stager.
+    """``dcp.async_save`` with the thread executor and one ``DefaultStager`` reused by every
+    save (its copies of the state are kept between saves instead of allocated each time).
 
     As PyTorch documents, the background save gets its own gloo group: its collectives would
     otherwise interleave with the training's on the default group."""
 
-    notes = "stages to CPU memory in the call, then writes in a thread (own gloo group)"
+    _SHARED_MEMORY = False
 
     def __init__(self, info: SystemInfo) -> None:
         super().__init__(info)
         self._group = dist.new_group(backend="gloo")
+        self._stager: Any = None
+
+    def _stager_notes(self, cuda: bool) -> str:
+        pinned = "pinned, asynchronous staging, non-blocking copies" if cuda else "CPU memory"
+        return (
+            f"thread executor (own gloo group); one DefaultStager reused by every save ({pinned})"
+        )
+
+    def _async_save(self, path: Path, state: TrainState, **kwargs: Any) -> SaveHandle:
+        if self._stager is None:
+            cuda = state.device != "cpu"
+            self._stager = _stager(cuda, self._SHARED_MEMORY)
+            self.notes = f"{self._stager_notes(cuda)}; {self.notes}"
+        result = dcp.async_save(
+            sharded_state_dict(state),
+            storage_writer=self._writer(path),
+            planner=self._planner(),
+            process_group=self._group,
+            async_stager=self._stager,
+            **kwargs,
+        )
+        return _async_handle(result)
 
     def save(self, path: Path, state: TrainState) -> SaveHandle:
-        future = dcp.async_save(
-            sharded_state_dict(state), checkpoint_id=str(path), process_group=self._group
-        )
-        return _FutureHandle(future)
+        return self._async_save(path, state)
 
     def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
         dist.destroy_process_group(self._group)
 
 
 class DcpAsyncProcessSystem(DcpAsyncThreadSystem):
-    """``dcp.async_save`` with the process executor and a ``DefaultStager`` asking for pinned
-    and shared memory. Without CUDA, PyTorch ignores the pinning and stages to shared memory."""
+    """``dcp.async_save`` with the process executor and a ``DefaultStager`` staging into
+    shared memory (pinned too on CUDA), which the writing process reads without a copy."""
 
-    notes = "process executor; DefaultStager(pinned, shared); pinning is skipped without CUDA"
+    _SHARED_MEMORY = True
 
-    def __init__(self, info: SystemInfo) -> None:
-        super().__init__(info)
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        options = StagingOptions(
-            use_pinned_memory=True,
-            use_shared_memory=True,
-            use_async_staging=False,
-            use_non_blocking_copy=torch.cuda.is_available(),
-        )
-        self._stager = DefaultStager(options)
+    def _stager_notes(self, cuda: bool) -> str:
+        pinned = "pinned + shared, asynchronous staging" if cuda else "shared memory"
+        return f"process executor; one DefaultStager reused by every save ({pinned})"
 
     def save(self, path: Path, state: TrainState) -> SaveHandle:
-        from torch.distributed.checkpoint.state_dict_saver import (
-            AsyncCheckpointerType,
-            AsyncSaveResponse,
-        )
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-        result = dcp.async_save(
-            sharded_state_dict(state),
-            checkpoint_id=str(path),
-            process_group=self._group,
-            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-            async_stager=self._stager,
-        )
-        if isinstance(result, AsyncSaveResponse):
-            return _FutureHandle(result.upload_completion, result.staging_completion)
-        return _FutureHandle(result)
-
-    def close(self) -> None:
-        self._stager.close()
-        super().close()
+        return self._async_save(path, state, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
 
 
 class TorchSaveSystem(CheckpointSystem):
@@ -132,7 +193,10 @@ class TorchSaveSystem(CheckpointSystem):
     Loading: rank 0 reads the file and the values are broadcast to every rank, which also makes
     the resharded load work (the file holds full tensors)."""
 
-    notes = "full state gathered to rank 0, one file, fsync; load broadcasts from rank 0"
+    notes = (
+        "full state gathered to rank 0 (cpu_offload), one file, fsync; load broadcasts from "
+        "rank 0; nothing to tune"
+    )
 
     _FILE = "state.pt"
 

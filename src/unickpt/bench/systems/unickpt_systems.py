@@ -33,14 +33,23 @@ class _UnickptFuture(SaveHandle):
         self._future.wait()
 
 
+def _settings() -> str:
+    from unickpt.config import get_config
+
+    cfg = get_config()
+    verify = "checksums written and verified" if cfg.verify else "verification off"
+    return f"io_threads={cfg.io_threads}, plan cached after the first save, {verify}"
+
+
 class UnickptSystem(CheckpointSystem):
     """``unickpt.save`` / ``unickpt.load`` of ``{"model": model, "optimizer": optimizer}``."""
 
-    notes = "durable when save returns"
+    _HOW = "durable when save returns"
 
     def __init__(self, info: SystemInfo) -> None:
         super().__init__(info)
         self._unickpt = _api()
+        self.notes = f"{self._HOW}; {_settings()}"
 
     def save(self, path: Path, state: TrainState) -> SaveHandle:
         self._unickpt.save(str(path), state.state())
@@ -53,7 +62,7 @@ class UnickptSystem(CheckpointSystem):
 class UnickptAsyncSystem(UnickptSystem):
     """``unickpt.async_save``; training waits for ``wait_snapshot()`` before the next step."""
 
-    notes = "blocking = call + wait_snapshot()"
+    _HOW = "blocking = call + wait_snapshot(); staging arena reused between saves"
 
     def save(self, path: Path, state: TrainState) -> SaveHandle:
         return _UnickptFuture(self._unickpt.async_save(str(path), state.state()), True)
@@ -63,7 +72,10 @@ class UnickptZeroStallSystem(UnickptSystem):
     """``async_save(background_snapshot=True)``: the call returns at once; the copy overlaps
     forward and backward, and the next ``optimizer.step()`` waits for it."""
 
-    notes = "blocking = call + wait inside the next optimizer.step"
+    _HOW = (
+        "blocking = call + wait inside the next optimizer.step; stall includes the background "
+        "copy and writes competing with the iteration"
+    )
 
     def save(self, path: Path, state: TrainState) -> SaveHandle:
         future = self._unickpt.async_save(str(path), state.state(), background_snapshot=True)

@@ -1,0 +1,380 @@
+"""Amazon S3 and S3-compatible stores: ``s3://bucket/prefix``.
+
+A folder is a key prefix (``prefix/name`` is a file, ``prefix/sub/`` a sub-folder). Data files
+of one part are a single PUT; larger ones are multipart uploads whose parts (at least 5 MiB,
+at most 10,000) the engine's writer threads upload in parallel straight from the tensors'
+memory; the object appears only when the upload is completed. Reads are ranged GETs of just
+the bytes asked for. S3 has no rename, and needs none: small files are single PUTs (atomic),
+and a checkpoint becomes visible when its ``COMMIT`` object is written, last.
+
+A failed save aborts its multipart uploads; a killed one leaves them for the next writer, whose
+lock on the folder (or on a Checkpointer root above it) aborts every upload left under the
+prefix, as :meth:`S3Storage.remove_tree` does. The writer lock is a lock object created with
+a conditional PUT (:mod:`.s3_lock`). Client settings, retries and errors: :mod:`.s3_client`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from ..errors import CheckpointError
+from .base import Storage, WriteHandle, check_name
+from .registry import register_backend
+from .s3_client import (
+    BufferStream,
+    S3Settings,
+    call,
+    client_for,
+    error_code,
+    read_range,
+    s3_settings,
+)
+from .s3_lock import S3Lock
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+LOCK_NAME = "LOCK"
+_MISSING = ("NoSuchKey", "NotFound", "404")
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``("bucket", "a/b")`` for ``s3://bucket/a/b/``."""
+    if not url.startswith("s3://"):
+        raise CheckpointError(f"{url} is not an s3:// URL; expected s3://bucket/prefix.")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    if not bucket:
+        raise CheckpointError(f"{url} names no bucket; expected s3://bucket/prefix.")
+    return bucket, prefix.strip("/")
+
+
+class _MultipartHandle(WriteHandle):
+    """A data file of several parts: one multipart upload, parts uploaded in parallel."""
+
+    def __init__(self, store: S3Storage, key: str, part_sizes: Sequence[int]) -> None:
+        super().__init__(f"s3://{store.bucket}/{key}", part_sizes, store.min_part_bytes)
+        self._store, self._key = store, key
+        self._etags: dict[int, str] = {}
+        self._done = False
+        resp = store._call(
+            f"starting the upload of {self.location}",
+            lambda: store.client.create_multipart_upload(Bucket=store.bucket, Key=key),
+        )
+        self._upload_id = str(resp["UploadId"])
+        store.abort_uploads(key, keep=self._upload_id)  # those of a retried lost answer
+
+    def _write_part(self, index: int, buffers: list[memoryview]) -> None:
+        s = self._store
+
+        def upload() -> Any:
+            return s.client.upload_part(
+                Bucket=s.bucket,
+                Key=self._key,
+                UploadId=self._upload_id,
+                PartNumber=index + 1,
+                Body=BufferStream(buffers),
+            )
+
+        resp = s._call(f"uploading part {index + 1} of {self.location}", upload)
+        with self._cond:
+            self._etags[index] = str(resp["ETag"])
+
+    def _complete(self) -> None:
+        parts = [{"PartNumber": i + 1, "ETag": self._etags[i]} for i in range(len(self.part_sizes))]
+        s = self._store
+
+        def finish() -> None:
+            try:
+                s.client.complete_multipart_upload(
+                    Bucket=s.bucket,
+                    Key=self._key,
+                    UploadId=self._upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
+            except Exception as e:
+                # a retry after a lost answer finds the upload already completed
+                if error_code(e) != "NoSuchUpload" or not self._landed():
+                    raise
+
+        s._call(f"completing the upload of {self.location}", finish)
+        self._done = True
+
+    def _landed(self) -> bool:
+        """Whether the object under the key is this upload, completed (the key is unique to
+        this save, so an object of the file's size there is this one)."""
+        head = self._store._head(self._key)
+        return head is not None and int(head.get("ContentLength", -1)) == self.nbytes
+
+    def _discard(self) -> None:
+        s = self._store
+        try:
+            s.abort_upload(self._key, self._upload_id)
+            if self._done:
+                s._call(
+                    f"deleting {self.location}",
+                    lambda: s.client.delete_object(Bucket=s.bucket, Key=self._key),
+                )
+        except CheckpointError as e:
+            log.warning("%s; the next writer of %s removes it", e, s.location)
+
+
+class _SingleHandle(WriteHandle):
+    """A data file of one part: a single PUT, made as the part is written."""
+
+    def __init__(self, store: S3Storage, key: str, part_sizes: Sequence[int]) -> None:
+        super().__init__(f"s3://{store.bucket}/{key}", part_sizes, 0)
+        self._store, self._key = store, key
+
+    def _write_part(self, index: int, buffers: list[memoryview]) -> None:
+        s = self._store
+        s._call(
+            f"writing {self.location}",
+            lambda: s.client.put_object(Bucket=s.bucket, Key=self._key, Body=BufferStream(buffers)),
+        )
+
+    def _complete(self) -> None:
+        pass
+
+    def _discard(self) -> None:
+        try:
+            self._store.remove_key(self._key)
+        except CheckpointError as e:
+            log.warning("%s; the next save's debris removal deletes it", e)
+
+
+@dataclass
+class TransferStats:
+    """Bytes moved by a storage and its children (``bytes_read``: ranged reads of data)."""
+
+    bytes_read: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, bytes_read: int) -> None:
+        with self._lock:
+            self.bytes_read += bytes_read
+
+
+class S3Storage(Storage):
+    """A folder in an S3 bucket, ``s3://bucket/prefix``.
+
+    >>> unickpt.save("s3://my-bucket/runs/gpt/step-100", state)  # doctest: +SKIP
+
+    The client is boto3's, configured the usual AWS way (environment, profile,
+    ``AWS_ENDPOINT_URL`` for S3-compatible servers) and by ``UNICKPT_S3_*`` variables
+    (:class:`~unickpt.storage.s3_client.S3Settings`).
+    """
+
+    min_part_bytes = 5 * MiB
+    max_parts = 10_000
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        settings: S3Settings | None = None,
+        client: Any = None,
+        page_size: int | None = None,
+        stats: TransferStats | None = None,
+    ) -> None:
+        self.bucket, self.prefix = parse_s3_url(url)
+        self.settings = settings or s3_settings()
+        self.client = client if client is not None else client_for(self.settings)
+        self.page_size = page_size
+        """Listing page size (None: the server's, 1,000 on S3); small in tests."""
+        self.stats = stats or TransferStats()
+
+    @property
+    def location(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{check_name(name)}" if self.prefix else check_name(name)
+
+    def _folder(self) -> str:
+        return f"{self.prefix}/" if self.prefix else ""
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        return call(self.settings, what, fn)
+
+    def child(self, name: str) -> S3Storage:
+        return S3Storage(
+            f"s3://{self.bucket}/{self._key(name)}",
+            settings=self.settings,
+            client=self.client,
+            page_size=self.page_size,
+            stats=self.stats,
+        )
+
+    def list_names(self) -> list[str]:
+        folder = self._folder()
+        names: set[str] = set()
+        for page in self._pages(
+            "list_objects_v2", f"listing {self.location}", Prefix=folder, Delimiter="/"
+        ):
+            names.update(o["Key"][len(folder) :] for o in page.get("Contents", ()))
+            names.update(
+                p["Prefix"][len(folder) :].rstrip("/") for p in page.get("CommonPrefixes", ())
+            )
+        names.discard("")
+        return sorted(names)
+
+    def _pages(self, operation: str, what: str, **params: Any) -> list[dict[str, Any]]:
+        """Every page of a paginated listing (each page's request retried on its own)."""
+        token_in, token_out, size = _TOKENS[operation]
+        pages: list[dict[str, Any]] = []
+        extra: dict[str, Any] = {size: self.page_size} if self.page_size else {}
+        while True:
+            request = partial(
+                getattr(self.client, operation), Bucket=self.bucket, **params, **extra
+            )
+            page = self._call(what, request)
+            pages.append(page)
+            if not page.get("IsTruncated"):
+                return pages
+            extra = {k: page[v] for k, v in zip(token_in, token_out) if page.get(v)}
+            if self.page_size:
+                extra[size] = self.page_size
+
+    def _head(self, key: str) -> dict[str, Any] | None:
+        def head() -> dict[str, Any] | None:
+            try:
+                return dict(self.client.head_object(Bucket=self.bucket, Key=key))
+            except Exception as e:
+                if error_code(e) in _MISSING:
+                    return None
+                raise
+
+        result: dict[str, Any] | None = self._call(f"looking up s3://{self.bucket}/{key}", head)
+        return result
+
+    def size(self, name: str) -> int | None:
+        head = self._head(self._key(name))
+        return None if head is None else int(head["ContentLength"])
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        if len(view):
+            read_range(self.client, self.settings, self.bucket, self._key(name), offset, view)
+            self.stats.add(bytes_read=len(view))
+
+    def read_bytes(self, name: str) -> bytes | None:
+        key = self._key(name)
+
+        def get() -> bytes | None:
+            try:
+                resp = self.client.get_object(Bucket=self.bucket, Key=key)
+            except Exception as e:
+                if error_code(e) in _MISSING:
+                    return None
+                raise
+            return bytes(resp["Body"].read())
+
+        result: bytes | None = self._call(f"reading s3://{self.bucket}/{key}", get)
+        return result
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        key = self._key(name)
+        self._call(
+            f"writing s3://{self.bucket}/{key}",
+            lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data)),
+        )
+
+    def create(self, name: str, part_sizes: Sequence[int]) -> WriteHandle:
+        key = self._key(name)
+        if len(part_sizes) == 1:
+            return _SingleHandle(self, key, part_sizes)
+        return _MultipartHandle(self, key, part_sizes)
+
+    def remove_key(self, key: str) -> None:
+        self._call(
+            f"deleting s3://{self.bucket}/{key}",
+            lambda: self.client.delete_object(Bucket=self.bucket, Key=key),
+        )
+
+    def remove(self, name: str) -> None:
+        self.remove_key(self._key(name))
+
+    def remove_tree(self, name: str) -> None:
+        """Delete every object under ``name/`` (1,000 per request) and abort its uploads."""
+        folder = f"{self._key(name)}/"
+        self.abort_uploads(folder)
+        for page in self._pages(
+            "list_objects_v2", f"listing s3://{self.bucket}/{folder}", Prefix=folder
+        ):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", ())]
+            for i in range(0, len(keys), 1000):
+                batch = {"Objects": keys[i : i + 1000], "Quiet": True}
+                delete = partial(self.client.delete_objects, Bucket=self.bucket, Delete=batch)
+                resp = self._call(f"deleting s3://{self.bucket}/{folder}", delete)
+                if resp.get("Errors"):
+                    first = resp["Errors"][0]
+                    raise CheckpointError(
+                        f"deleting s3://{self.bucket}/{first.get('Key')} failed: "
+                        f"{first.get('Code')} ({first.get('Message')}); check the bucket's "
+                        "permissions and delete the folder by hand."
+                    )
+
+    def abort_uploads(self, prefix: str | None = None, keep: str | None = None) -> int:
+        """Abort the unfinished multipart uploads under ``prefix`` (default: this folder), but
+        the upload ``keep``; how many there were."""
+        prefix = self._folder() if prefix is None else prefix
+        pages = self._pages(
+            "list_multipart_uploads",
+            f"listing the uploads of s3://{self.bucket}/{prefix}",
+            Prefix=prefix,
+        )
+        uploads = [
+            (u["Key"], u["UploadId"])
+            for page in pages
+            for u in page.get("Uploads", ())
+            if u["UploadId"] != keep
+        ]
+        for key, upload_id in uploads:
+            log.info("aborting the unfinished upload of s3://%s/%s", self.bucket, key)
+            self.abort_upload(key, upload_id)
+        return len(uploads)
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        def abort() -> None:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            except Exception as e:
+                if error_code(e) != "NoSuchUpload":  # gone already (or a retry after success)
+                    raise
+
+        self._call(f"aborting the upload of s3://{self.bucket}/{key}", abort)
+
+    def acquire_lock(self) -> Callable[[], None]:
+        """The lock object ``LOCK`` (conditional PUT); then the uploads an earlier, killed
+        writer left under the prefix are aborted (no other writer can own them now)."""
+        release = S3Lock(self.client, self.settings, self.bucket, self._key(LOCK_NAME)).acquire()
+        try:
+            self.abort_uploads()
+        except BaseException:
+            release()
+            raise
+        return release
+
+    def is_file(self) -> bool:
+        return bool(self.prefix) and self._head(self.prefix) is not None
+
+
+_TOKENS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
+    # operation: (request's page tokens, the response's tokens for them, page size parameter)
+    "list_objects_v2": (("ContinuationToken",), ("NextContinuationToken",), "MaxKeys"),
+    "list_multipart_uploads": (
+        ("KeyMarker", "UploadIdMarker"),
+        ("NextKeyMarker", "NextUploadIdMarker"),
+        "MaxUploads",
+    ),
+}
+
+
+register_backend("s3", S3Storage)
+
+__all__ = ["S3Storage", "TransferStats", "parse_s3_url"]

@@ -2,8 +2,9 @@
 
 A small MLP with Adam trains ``--steps`` steps on two ranks that act as two nodes
 (``UNICKPT_NODE``), while the driver kills the whole job (SIGKILL, every rank) after a random
-time drawn with mean ``--mtbf`` seconds, and restarts it, until the steps are done. Every other
-failure also wipes node b's memory folder (a node lost with its memory). Two policies:
+time drawn with mean ``--mtbf`` seconds (counted once the job has restored its state), and
+restarts it, until the steps are done. Every other failure also wipes node b's memory folder
+(a node lost with its memory). Two policies:
 
 (a) storage: an asynchronous checkpoint to ``--storage`` every K steps, K from Young's formula
     sqrt(2 * stall * MTBF) with the stall measured in a calibration run;
@@ -130,6 +131,14 @@ def _calibrate(a: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _wait_started(log: Path, starts: int, proc: subprocess.Popen[bytes]) -> None:
+    """Until the job's ``starts``-th start is logged (its state restored) or it ended."""
+    while proc.poll() is None:
+        if log.exists() and log.read_text().count('"start"') >= starts:
+            return
+        time.sleep(0.1)
+
+
 def _run(policy: str, a: dict[str, Any], cal: dict[str, float], rng: random.Random) -> dict:
     root = tempfile.mkdtemp(prefix=f"goodput-{policy}-", dir=a["storage"])
     shm = Path(tempfile.mkdtemp(prefix=f"goodput-{policy}-", dir="/dev/shm"))
@@ -144,6 +153,7 @@ def _run(policy: str, a: dict[str, Any], cal: dict[str, float], rng: random.Rand
             proc = subprocess.Popen(
                 [sys.executable, __file__, "--job", json.dumps(job)], start_new_session=True
             )
+            _wait_started(log, len(failures) + 1, proc)  # failures strike while training
             wait = rng.expovariate(1 / a["mtbf"])
             try:
                 if proc.wait(timeout=wait) != 0:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import api
 from .config import Config, get_config
-from .dist import Comm, run_step
+from .dist import Comm, dedicated_comm, run_step
 from .engine.futures import SaveFuture
 from .engine.incremental import Basis
 from .engine.references import needed_steps
@@ -30,6 +31,8 @@ from .errors import (
 from .format.metadata import COMMIT_FILE
 from .storage.base import Storage
 from .storage.registry import open_storage
+from .tuning import IntervalTuner, Tuning
+from .tuning.restarts import mtbf_from_starts, record_start
 
 if TYPE_CHECKING:
     from .tiers.memory import MemoryTier
@@ -132,6 +135,18 @@ class Checkpointer:
     once no kept checkpoint refers to them). ``row_deltas`` takes patterns of keys
     (``fnmatch``, e.g. ``["model.tables.*", "optim.state.tables.*"]``) of embedding tables: of
     those, only the rows that changed are written.
+
+    With ``every`` (a number of steps, or ``"auto"``) the loop calls :meth:`maybe_save` every
+    step and the Checkpointer decides when to save: ``"auto"`` measures the step time and what
+    each save costs the loop, and saves as often as keeps that cost within ``max_overhead`` of
+    the loop's time, or, with a mean time between failures (``mtbf_s``, or learnt from the
+    restarts recorded at the root), at the Young/Daly interval, never more often than that
+    bound allows. :attr:`tuning` says what it measured and why it chose its interval.
+
+    >>> ckpt = unickpt.Checkpointer("runs/gpt", every="auto", max_overhead=0.01)  # doctest: +SKIP
+    >>> for step in range(start, steps):  # doctest: +SKIP
+    ...     train_step()
+    ...     ckpt.maybe_save(step, state)
     """
 
     def __init__(
@@ -147,6 +162,9 @@ class Checkpointer:
         incremental: bool = False,
         full_every: int = 8,
         row_deltas: Sequence[str] = (),
+        every: int | str | None = None,
+        max_overhead: float = 0.01,
+        mtbf_s: float | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last is {keep_last}; expected None or at least 1.")
@@ -176,6 +194,13 @@ class Checkpointer:
 
             self._tier = TierPolicy(self, memory)
         self._basis = Basis(full_every, row_deltas) if incremental else None
+        # -- interval tuner (unickpt.tuning): maybe_save decides when to save --
+        self._tuner: IntervalTuner | None = None
+        if every is not None:
+            self._tuner = IntervalTuner(every, max_overhead, mtbf_s, agree=self._agree_interval)
+            # Its collectives run while saves write in the background: a group of their own.
+            self._tuner_comm = dedicated_comm(group, self.config.collective_timeout_s)
+        self._started = False
 
     @property
     def memory_stats(self) -> MemoryStats | None:
@@ -248,6 +273,41 @@ class Checkpointer:
 
     def _committed(self, name: str) -> bool:
         return self.storage.child(name).size(COMMIT_FILE) is not None
+
+    def maybe_save(self, step: int, state: dict[str, Any]) -> SaveFuture | None:
+        """Called every step (on every rank): save ``state`` as ``step`` when the interval
+        (``every``) says so; the save's future, or None."""
+        tuner = self._tuner
+        if tuner is None:
+            raise CheckpointError(
+                "maybe_save needs an interval; construct the Checkpointer with every=N (steps) "
+                "or every='auto', or call save() at the steps you choose."
+            )
+        if not self._started:
+            self._started = True
+            tuner.learn_mtbf(self._tuner_comm.broadcast(self._learn_mtbf()))
+        if not tuner.begin(step):
+            tuner.end(step, saved=False)
+            return None
+        future = self.save(step, state)
+        tuner.end(step, saved=True, done=future.done if self.async_save else None)
+        return future
+
+    @property
+    def tuning(self) -> Tuning | None:
+        """What the interval tuner measured and chose (None without ``every``)."""
+        return None if self._tuner is None else self._tuner.tuning
+
+    def _learn_mtbf(self) -> float | None:
+        """Record this start at the root (coordinator); the MTBF the starts imply."""
+        if not self._comm.is_coordinator:
+            return None
+        now = time.time()
+        return mtbf_from_starts(record_start(self.storage, now), now)
+
+    def _agree_interval(self, every: int) -> int:
+        """Every rank saves at the same steps: the longest interval any rank proposes."""
+        return max(self._tuner_comm.all_gather(every))
 
     def _lock(self) -> None:
         """Take the root's writer lock on the coordinator; every rank learns the outcome."""

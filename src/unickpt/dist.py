@@ -134,6 +134,21 @@ def _gloo_group(ranks: tuple[int, ...], group: Any, timeout_s: float) -> Any:
         return pg
 
 
+def dedicated_comm(group: Any, timeout_s: float) -> Comm:
+    """A :class:`Comm` over ``group``'s ranks with a gloo group of its own (not the one saves
+    share), for collectives that may run while a save's background thread uses that one. All
+    ranks of the world call it together, in the same order as other group creations."""
+    comm = Comm(group, timeout_s)
+    if comm._pg is not None:
+        comm._pg = dist.new_group(
+            ranks=list(comm._global_ranks),
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+            use_local_synchronization=comm.world_size != dist.get_world_size(),
+        )
+    return comm
+
+
 def failure_of(rank: int, exc: BaseException) -> RankFailure:
     return RankFailure(rank, type(exc).__name__, str(exc), traceback.format_exc())
 

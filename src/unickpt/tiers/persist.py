@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..checkpointer import step_name
 from ..engine.commit import LOCK_FILE, read_commit, remove_debris
+from ..errors import CheckpointError
 from ..format.metadata import COMMIT_FILE
 from ..storage.base import Storage
 from .memory import MemoryStore
@@ -46,6 +47,19 @@ def persist(
     are there. Returns whether storage now holds the checkpoint committed."""
     if persisted(root, committed):
         return True
+    try:
+        return _persist(store, committed, root, ranks, threads)
+    except CheckpointError:
+        # Ranks persist without a collective: another one may have committed this checkpoint
+        # meanwhile and cleared the temporary files of this rank's writes as debris.
+        if persisted(root, committed):
+            return True
+        raise
+
+
+def _persist(
+    store: MemoryStore, committed: Committed, root: Storage, ranks: list[int], threads: int
+) -> bool:
     target = root.child(step_name(committed.step))
     folder = store.step_path(committed.step)
     for rank in ranks:

@@ -27,6 +27,7 @@ from ..planning.load_plan import ReadItem, check_chunks_tile, plan_reads
 from ..storage.base import Storage
 from .commit import read_checkpoint
 from .exchange import ExchangeStats, rank_needs, run_exchange
+from .mapped import run_mapped_exchange
 from .read import aligned_piece_bytes, execute_reads
 
 log = logging.getLogger(__name__)
@@ -153,13 +154,20 @@ def _exchange(
     if not any(o is not None and o.needs for o in offers):
         return none
     seg = plan.meta.segment_bytes
-    unit = aligned_piece_bytes(config.read_piece_bytes // 16, seg)
+    # Mapped units need no buffer of their own beyond one scratch per thread: larger units,
+    # fewer to plan. Shared-memory units are double-buffered per owner: smaller.
+    unit = aligned_piece_bytes(config.read_piece_bytes // (4 if storage.maps_files else 16), seg)
     xplan = plan_exchange(
         offers, plan.meta.tensors, plan.meta.files, seg, unit, unit * config.io_threads
     )
     if not xplan.units:
         return none
-    stats = run_exchange(comm, storage, xplan, plan.needed, config, config.verify, seg)
+    if storage.maps_files:
+        stats: ExchangeStats | None = run_mapped_exchange(
+            comm.rank, storage, xplan, plan.needed, config, config.verify, seg
+        )
+    else:
+        stats = run_exchange(comm, storage, xplan, plan.needed, config, config.verify, seg)
     if stats is None:
         return None
     if not stats.shared:

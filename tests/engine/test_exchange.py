@@ -79,11 +79,12 @@ def _loads(rank: int, world: int, root: str) -> dict[str, Any]:
             f.seek(100)
             f.write(bytes([byte[0] ^ 0xFF]))
     dist.barrier()
-    try:
-        unickpt.load(path, _state(1, world, fill=False), config=small)
-        out["damaged"] = None
-    except unickpt.CheckpointError as e:
-        out["damaged"] = (type(e).__name__, str(e))
+    for prefix, url in (("", path), ("fsspec ", f"file://{path}")):
+        try:
+            unickpt.load(url, _state(1, world, fill=False), config=small)
+            out[prefix + "damaged"] = None
+        except unickpt.CheckpointError as e:
+            out[prefix + "damaged"] = (type(e).__name__, str(e))
     out["leftovers"] = [n for n in os.listdir("/dev/shm") if n.startswith("unickpt-load-")]
     out.update(_without_shared_memory(f"{root}/intact", world, small))
     return out
@@ -179,11 +180,12 @@ def test_shard0_into_shard1_reads_every_byte_once_and_finds_damage(tmp_path: Pat
     assert sum(read for _, read, _, _ in unmapped) == 2 * total
     assert [r["same layout"] for r in results] == [0, 0]
     # The damaged segment is read by one rank only; every rank raises that rank's error.
-    errors = [r["damaged"] for r in results]
-    assert errors[0] == errors[1] and errors[0] is not None
-    kind, message = errors[0]
-    assert kind == "CheckpointCorruptError"
-    assert "loading failed on 1 of 2 ranks" in message and "checksum mismatch" in message
+    for prefix in ("", "fsspec "):
+        errors = [r[prefix + "damaged"] for r in results]
+        assert errors[0] == errors[1] and errors[0] is not None
+        kind, message = errors[0]
+        assert kind == "CheckpointCorruptError"
+        assert "loading failed on 1 of 2 ranks" in message and "checksum mismatch" in message
     assert [r["leftovers"] for r in results] == [[], []]
     # Without shared memory every rank reads alone, with the same values.
     assert [r["no shm"] for r in results] == [(True, total), (True, total)]

@@ -14,12 +14,13 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import api
 from .config import Config, get_config
 from .dist import Comm, dedicated_comm, run_step
+from .encoding.saving import check_quantize
 from .engine.futures import SaveFuture
 from .engine.incremental import Basis
 from .engine.references import needed_steps
@@ -142,6 +143,8 @@ class Checkpointer:
     the loop's time, or, with a mean time between failures (``mtbf_s``, or learnt from the
     restarts recorded at the root), at the Young/Daly interval, never more often than that
     bound allows. :attr:`tuning` says what it measured and why it chose its interval.
+    ``quantize`` (table key -> 8 or 4 bits) stores those tables quantized per row in every
+    save (see :func:`unickpt.save`).
 
     >>> ckpt = unickpt.Checkpointer("runs/gpt", every="auto", max_overhead=0.01)  # doctest: +SKIP
     >>> for step in range(start, steps):  # doctest: +SKIP
@@ -165,6 +168,7 @@ class Checkpointer:
         every: int | str | None = None,
         max_overhead: float = 0.01,
         mtbf_s: float | None = None,
+        quantize: Mapping[str, int] | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last is {keep_last}; expected None or at least 1.")
@@ -201,6 +205,7 @@ class Checkpointer:
             # Its collectives run while saves write in the background: a group of their own.
             self._tuner_comm = dedicated_comm(group, self.config.collective_timeout_s)
         self._started = False
+        self.quantize = check_quantize(quantize)
 
     @property
     def memory_stats(self) -> MemoryStats | None:
@@ -255,7 +260,13 @@ class Checkpointer:
             inc = self._basis.next_save(step_name(step), self.config.segment_bytes, self._committed)
         if not self.async_save:
             report = api.save(
-                target, state, group=self.group, overwrite=True, config=self.config, incremental=inc
+                target,
+                state,
+                group=self.group,
+                overwrite=True,
+                config=self.config,
+                incremental=inc,
+                quantize=self.quantize,
             )
             self._retain(step)
             return SaveFuture.completed(report)
@@ -268,6 +279,7 @@ class Checkpointer:
             config=self.config,
             on_commit=lambda: self._retain(step),
             incremental=inc,
+            quantize=self.quantize,
         )
         return self._pending
 

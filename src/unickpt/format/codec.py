@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointVersionError
@@ -18,6 +18,8 @@ from .metadata import (
     FORMAT_VERSION,
     ChunkMeta,
     CommitRecord,
+    Encoding,
+    EncodingError,
     FileRef,
     Metadata,
     TensorMeta,
@@ -25,6 +27,8 @@ from .metadata import (
 from .references import FileLocation, FileTable
 
 INDEX_FORMAT = "unickpt-index"
+ENCODINGS = ("rowwise-affine",)
+_ERROR = ("max_abs", "rms", "rms_relative")
 
 
 def encode_metadata(meta: Metadata) -> bytes:
@@ -47,10 +51,7 @@ def encode_metadata(meta: Metadata) -> bytes:
             }
             for f in meta.file_refs
         ],
-        "tensors": {
-            k: {"dtype": t.dtype, "shape": list(t.shape), "layout": t.layout}
-            for k, t in meta.tensors.items()
-        },
+        "tensors": {k: _encode_tensor(t) for k, t in meta.tensors.items()},
         "objects": meta.objects,
         "per_rank": {k: list(v) for k, v in meta.per_rank.items()},
         "pickled_keys": list(meta.pickled_keys),
@@ -76,12 +77,7 @@ def decode_metadata(raw: bytes, source: str) -> Metadata:
             )
             for f in doc["files"]
         )
-        tensors = {
-            str(k): TensorMeta(
-                str(v["dtype"]), tuple(int(s) for s in v["shape"]), str(v["layout"]), ()
-            )
-            for k, v in doc["tensors"].items()
-        }
+        tensors = {str(k): _decode_tensor(v) for k, v in doc["tensors"].items()}
         segment = int(doc["segment_bytes"])
         if segment <= 0 or segment % 16:
             raise ValueError(f"segment_bytes is {segment}, expected a positive multiple of 16")
@@ -114,6 +110,53 @@ def _aliases(doc: Any, tensors: dict[str, TensorMeta]) -> dict[str, str]:
         if target not in tensors or key in tensors:
             raise ValueError(f"'{key}' is tied to '{target}', which is not a stored tensor")
     return aliases
+
+
+def _encode_tensor(t: TensorMeta) -> dict[str, Any]:
+    doc: dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape), "layout": t.layout}
+    if t.encoding is not None:
+        doc["encoding"] = encode_encoding(t.encoding)
+    return doc
+
+
+def _decode_tensor(doc: dict[str, Any]) -> TensorMeta:
+    encoding = doc.get("encoding")
+    return TensorMeta(
+        str(doc["dtype"]),
+        tuple(int(s) for s in doc["shape"]),
+        str(doc["layout"]),
+        (),
+        None if encoding is None else decode_encoding(encoding),
+    )
+
+
+def encode_encoding(e: Encoding) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "name": e.name,
+        "bits": e.bits,
+        "dtype": e.dtype,
+        "shape": list(e.shape),
+        "scale_dtype": e.scale_dtype,
+    }
+    if e.error is not None:
+        doc["error"] = asdict(e.error)
+    return doc
+
+
+def decode_encoding(doc: dict[str, Any]) -> Encoding:
+    if doc["name"] not in ENCODINGS:
+        raise ValueError(
+            f"encoding {doc['name']!r} is not one this unickpt knows ({', '.join(ENCODINGS)})"
+        )
+    error = doc.get("error")
+    return Encoding(
+        name=str(doc["name"]),
+        bits=int(doc["bits"]),
+        dtype=str(doc["dtype"]),
+        shape=tuple(int(s) for s in doc["shape"]),
+        scale_dtype=str(doc.get("scale_dtype", "float32")),
+        error=None if error is None else EncodingError(**{k: float(error[k]) for k in _ERROR}),
+    )
 
 
 def encode_index(

@@ -60,27 +60,30 @@ def quantize_rows(table: torch.Tensor, bits: int, sums: ErrorSums | None = None)
     rows, columns = table.shape
     out = torch.empty((rows, stored_width(columns, bits)), dtype=torch.uint8, device=table.device)
     for start in range(0, rows, BLOCK_ROWS):
-        block = table[start : start + BLOCK_ROWS].to(torch.float32)
-        out[start : start + len(block)] = _quantize_block(block, bits, table.dtype, sums)
+        block = table[start : start + BLOCK_ROWS]
+        _quantize_block(block, bits, out[start : start + len(block)], sums)
     return out
 
 
 def _quantize_block(
-    x: torch.Tensor, bits: int, dtype: torch.dtype, sums: ErrorSums | None
-) -> torch.Tensor:
+    block: torch.Tensor, bits: int, out: torch.Tensor, sums: ErrorSums | None
+) -> None:
     levels = (1 << bits) - 1
+    x = block.to(torch.float32)
     if x.shape[1] == 0:
         low = high = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
     else:
-        low, high = x.amin(dim=1), x.amax(dim=1)
+        low, high = torch.aminmax(x, dim=1)
     scale = (high - low) / levels
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = ((x - low[:, None]) / divisor[:, None]).round_().clamp_(0, levels).to(torch.uint8)
-    header = torch.stack((scale, low), dim=1).contiguous().view(torch.uint8)
+    codes = torch.sub(x, low[:, None]).div_(divisor[:, None]).round_().clamp_(0, levels)
+    codes = codes.to(torch.uint8)
+    header = torch.stack((scale, low), dim=1).view(torch.uint8)
+    out[:, :HEADER_BYTES] = header
+    out[:, HEADER_BYTES:] = _pack(codes) if bits == 4 else codes
     if sums is not None:
-        decoded = _decode(codes, scale, low, dtype).to(torch.float32)
+        decoded = _decode(codes, scale, low, block.dtype).to(torch.float32)
         _accumulate(sums, x, decoded)
-    return torch.cat((header, _pack(codes) if bits == 4 else codes), dim=1)
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:

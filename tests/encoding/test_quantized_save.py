@@ -8,18 +8,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 
 import unickpt
 from tests.distributed import run_ranks
 from tests.integrity._helpers import metadata_path, read_metadata, repin
+from unickpt.checkpointer import step_name
 from unickpt.cli.main import main
 from unickpt.encoding.rowwise import dequantize_rows, quantize_rows
 from unickpt.engine.reader import CheckpointReader
 from unickpt.format.codec import decode_metadata, encode_metadata
 from unickpt.layouts.boxes import Box
 from unickpt.layouts.leaves import ShardedTensor
+from unickpt.tools import export_safetensors, export_torch
+from unickpt.tools.diff import diff_checkpoints
 from unickpt.tools.inspection import inspect_checkpoint
+from unickpt.tools.verify import verify_checkpoint
 
 
 class Recommender(torch.nn.Module):
@@ -98,6 +103,37 @@ def test_metadata_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert tensors["model.head.weight"]["encoding"] is None
 
 
+def test_conversions_write_decoded_values(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    model = Recommender(rows=300, dim=20)
+    unickpt.save(tmp_path / "q", {"model": model}, quantize={"model.emb.weight": 4})
+    export_torch(tmp_path / "q", tmp_path / "q.pt", block_bytes=1000)  # blocks of rows
+    export_safetensors(tmp_path / "q", tmp_path / "st", only="model", block_bytes=1000)
+    expected = _decoded(model.emb.weight.detach(), 4)
+    assert torch.equal(torch.load(tmp_path / "q.pt")["model"]["emb.weight"], expected)
+    loaded = safetensors.torch.load_file(next((tmp_path / "st").glob("*.safetensors")))
+    assert torch.equal(loaded["emb.weight"], expected)
+
+
+def test_loads_match_decoded_shapes_verify_and_diff(tmp_path: Path) -> None:
+    torch.manual_seed(2)
+    model = Recommender(rows=40, dim=6)
+    unickpt.save(tmp_path / "q", {"model": model}, quantize={"model.emb.weight": 8})
+    unickpt.save(tmp_path / "full", {"model": model})
+    shape = "'model.emb.weight' has global shape \\[40, 6\\] in the checkpoint but \\[40, 7\\]"
+    with pytest.raises(unickpt.CheckpointMismatchError, match=shape):
+        unickpt.load(tmp_path / "q", {"model": Recommender(rows=40, dim=7)})
+    dtype = "'model.emb.weight' is float32 in the checkpoint but bfloat16 in the state"
+    with pytest.raises(unickpt.CheckpointMismatchError, match=dtype):
+        unickpt.load(tmp_path / "q", {"model": Recommender(rows=40, dim=6, dtype=torch.bfloat16)})
+    assert verify_checkpoint(tmp_path / "q").ok  # the stored codes against their checksums
+    report = diff_checkpoints(tmp_path / "full", tmp_path / "q")  # decoded values compared
+    (changed,) = report.tensors
+    decoded = _decoded(model.emb.weight.detach(), 8)
+    assert (changed.key, changed.kind, changed.shape_b) == ("model.emb.weight", "values", (40, 6))
+    assert changed.max_abs == float((decoded - model.emb.weight.detach()).abs().max())
+
+
 def test_a_version_1_checkpoint_still_loads(tmp_path: Path) -> None:
     model = Recommender(rows=20, dim=4)
     unickpt.save(tmp_path, {"model": model})
@@ -154,7 +190,28 @@ def _save_sharded(rank: int, world: int, root: str) -> Any:
         split = ""
     except unickpt.CheckpointError as e:
         split = str(e)
-    return report.encoding_errors, split
+    changed = _incremental_quantized(rank, root, table, rows)
+    return report.encoding_errors, split, changed
+
+
+def _changed_table() -> torch.Tensor:
+    table = _table()
+    table[[5, 6, 60]] += 1.0
+    return table
+
+
+def _incremental_quantized(rank: int, root: str, table: torch.Tensor, rows: tuple[int, int]) -> int:
+    """Two saves of a row-sharded table, 8-bit and changed rows only; bytes of the second."""
+    local = table[rows[0] : rows[1]].clone()
+    state = {"emb": ShardedTensor(local, (100, 10), (rows[0], 0))}
+    with unickpt.Checkpointer(
+        root + "/run", incremental=True, row_deltas=["emb"], quantize={"emb": 8}, async_save=False
+    ) as ckpt:
+        ckpt.save(0, state)
+        local.copy_(_changed_table()[rows[0] : rows[1]])
+        report = ckpt.save(1, state).wait()
+    assert report is not None
+    return report.bytes_written
 
 
 def _load_resharded(rank: int, world: int, root: str) -> Any:
@@ -167,7 +224,10 @@ def _load_resharded(rank: int, world: int, root: str) -> Any:
     expected = _decoded(_table(), 8)
     ok = torch.equal(emb.local, expected[bounds[0] : bounds[1]])
     ok = ok and torch.equal(state["small"], _decoded(_table(6, 3), 4))
-    return ok and torch.equal(cols.local, expected[:, 3 * rank : 3 * rank + 4])
+    ok = ok and torch.equal(cols.local, expected[:, 3 * rank : 3 * rank + 4])
+    # the incremental checkpoint: changed rows in step 1, the others referring to step 0
+    unickpt.load(root + "/run/" + step_name(1), {"emb": emb})
+    return ok and torch.equal(emb.local, _decoded(_changed_table(), 8)[bounds[0] : bounds[1]])
 
 
 def test_row_sharded_tables_load_into_another_split(tmp_path: Path) -> None:
@@ -179,7 +239,10 @@ def test_row_sharded_tables_load_into_another_split(tmp_path: Path) -> None:
     small = (_decoded(_table(6, 3), 4).double() - _table(6, 3).double()).abs()
     assert errors["small"].max_abs == float(small.max())
     assert errors["small"].rms == pytest.approx(float(small.square().mean().sqrt()))
-    for _, split in saved:
+    # the second save wrote the changed rows alone, quantized: rank 0 rows 5-6, rank 1 row 60,
+    # 8 + 10 bytes each
+    assert [changed for _, _, changed in saved] == [2 * 18, 18]
+    for _, split, _ in saved:
         assert "'emb' is held in pieces that split its rows (columns" in split
         assert "Shard the table by rows, or leave it out of quantize." in split
     assert run_ranks(3, _load_resharded, str(tmp_path)) == [True, True, True]

@@ -107,12 +107,12 @@ def _decode(
 def _accumulate(sums: ErrorSums, x: torch.Tensor, decoded: torch.Tensor) -> None:
     if x.numel() == 0:
         return
-    diff = (decoded - x).to(torch.float64)
+    diff = decoded.sub_(x)  # float32 differences, summed in float64
     sums.add(
         ErrorSums(
             float(diff.abs().max()),
-            float(diff.square().sum()),
-            float(x.to(torch.float64).square().sum()),
+            float(torch.linalg.vector_norm(diff, dtype=torch.float64) ** 2),
+            float(torch.linalg.vector_norm(x, dtype=torch.float64) ** 2),
             x.numel(),
         )
     )

@@ -280,8 +280,9 @@ def _write_rank_files(
         result, chunks, refs = _write_changed(prep, inc, storage, name, sources, config, progress)
     if inc is not None:
         inc.record(name, prep.items, chunks, refs)
-    entries = [(it.key, c) for it, cs in zip(prep.items, chunks) for c in cs]
-    raw = encode_index(name, entries, refs)
+    entries = [(it.key, cs[0]) for it, cs in zip(prep.items, chunks) if len(cs) == 1]
+    runs = [(it.key, cs) for it, cs in zip(prep.items, chunks) if len(cs) > 1]  # row deltas
+    raw = encode_index(name, entries, refs, runs)
     index = index_name(prep.save_id, prep.comm.rank)
     storage.write_atomic(index, raw)
     return FileRef(name, result.nbytes, index, len(raw), digest(memoryview(raw)))

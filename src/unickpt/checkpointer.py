@@ -21,6 +21,7 @@ from . import api
 from .config import Config, get_config
 from .dist import Comm, dedicated_comm, run_step
 from .encoding.saving import check_quantize
+from .engine.commit import read_checkpoint
 from .engine.futures import SaveFuture
 from .engine.incremental import Basis
 from .engine.references import needed_steps
@@ -129,13 +130,15 @@ class Checkpointer:
     With ``incremental=True`` a save writes only the chunks whose bytes changed since this
     Checkpointer's previous save and refers to the earlier checkpoints' bytes for the others
     (format version 2): frozen layers of a fine-tune, a frozen base under LoRA adapters, tables
-    left untouched cost nothing. Every ``full_every``-th save, and the first save of each
-    Checkpointer, is full. Worth it when much of the state stays the same between saves; in
-    full training, where every tensor changes, it only adds hashing before the write. Retention
-    keeps every step that a kept checkpoint refers to (``steps()`` lists them; they are deleted
-    once no kept checkpoint refers to them). ``row_deltas`` takes patterns of keys
-    (``fnmatch``, e.g. ``["model.tables.*", "optim.state.tables.*"]``) of embedding tables: of
-    those, only the rows that changed are written.
+    left untouched cost nothing. Every ``full_every``-th save is full; a Checkpointer's first
+    save refers to the newest committed checkpoint of the root (a restarted job's chain goes
+    on), except for tables compared row by row, written whole once. Worth it when much of the
+    state stays the same between saves; in full training, where every tensor changes, it only
+    adds hashing before the write. Retention keeps every step that a kept checkpoint refers to
+    (``steps()`` lists them; they are deleted once no kept checkpoint refers to them).
+    ``row_deltas`` takes patterns of keys (``fnmatch``, e.g. ``["model.tables.*",
+    "optim.state.tables.*"]``) of embedding tables: of those, only the rows that changed are
+    written.
 
     With ``every`` (a number of steps, or ``"auto"``) the loop calls :meth:`maybe_save` every
     step and the Checkpointer decides when to save: ``"auto"`` measures the step time and what
@@ -257,6 +260,8 @@ class Checkpointer:
         target = self._step(step)
         inc = None
         if self._basis is not None:
+            if first:
+                self._seed_basis(self._basis, step)
             inc = self._basis.next_save(step_name(step), self.config.segment_bytes, self._committed)
         if not self.async_save:
             report = api.save(
@@ -282,6 +287,25 @@ class Checkpointer:
             quantize=self.quantize,
         )
         return self._pending
+
+    def _seed_basis(self, basis: Basis, step: int) -> None:
+        """This rank's first incremental save: start from the newest committed step before
+        ``step`` (a restarted job), so the save refers to its unchanged chunks. A checkpoint
+        that does not read leaves the save full."""
+        older = [s for s in self.steps() if s < step]
+        if not older:
+            return
+        try:
+            _, meta = read_checkpoint(self._step(older[-1]))
+        except CheckpointError as e:
+            log.info(
+                "incremental save of step %d is full: step %d does not read (%s)",
+                step,
+                older[-1],
+                e,
+            )
+            return
+        basis.seed(step_name(older[-1]), meta)
 
     def _committed(self, name: str) -> bool:
         return self.storage.child(name).size(COMMIT_FILE) is not None

@@ -8,7 +8,7 @@ scattered by a fixed permutation; labels come from a fixed random teacher.
 1. Train ``warm_steps`` steps, then ``saves`` times: train ``steps_between`` steps and save the
    state with one Checkpointer per variant (full; the tables quantized per row at 8 and 4 bits;
    incremental with changed rows only, alone and with 8 or 4 bits). Bytes per checkpoint: the
-   mean over the saves after the first (an incremental Checkpointer's first save is full);
+   mean over the saves after the first (the first incremental save in a fresh root is full);
    quantization's error: the save reports' largest.
 2. From each variant's last checkpoint (an incremental one refers to the earlier ones), restore
    a fresh model, train ``more_steps`` more steps on the same batches and compare the held-out

@@ -19,6 +19,7 @@ at most one unit each.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,11 +45,12 @@ def run_mapped_exchange(
 ) -> ExchangeStats:
     """Fill this rank's exchanged items (``needed[i]`` for need ``i``); no collective."""
     tasks: list[Callable[[], tuple[int, int, int]]] = []
+    scratch = _Scratch()
     for u in sorted(plan.units, key=lambda u: (u.file, u.chunk.byte_offset + u.lo)):
         if u.owner == rank:
-            tasks.append(_owned(storage, u, needed, rank, verify, segment))
+            tasks.append(_owned(storage, scratch, u, needed, rank, verify, segment))
         elif any(p.rank == rank for p in u.parts):
-            tasks.append(_shared(storage, u, needed, rank))
+            tasks.append(_shared(storage, scratch, u, needed, rank))
     totals = [0, 0, 0]
     with ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-map") as pool:
         for counts in pool.map(lambda t: t(), tasks):
@@ -56,13 +58,32 @@ def run_mapped_exchange(
     return ExchangeStats(totals[0], totals[1], totals[2])
 
 
+class _Scratch(threading.local):
+    """One buffer per thread, grown as needed and reused: fresh pages for every unit would cost
+    a page fault and the kernel's zeroing per 4 KiB."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, size: int) -> torch.Tensor:
+        if self.buffer.numel() < size:
+            self.buffer = torch.empty(size, dtype=torch.uint8)
+        return self.buffer[:size]
+
+
 def _owned(
-    storage: Storage, u: Unit, needed: Sequence[ReadItem], rank: int, verify: bool, segment: int
+    storage: Storage,
+    scratch: _Scratch,
+    u: Unit,
+    needed: Sequence[ReadItem],
+    rank: int,
+    verify: bool,
+    segment: int,
 ) -> Callable[[], tuple[int, int, int]]:
     """Read and verify a unit this rank owns, copy its own parts; (read, placed, 0)."""
 
     def run() -> tuple[int, int, int]:
-        raw = torch.empty(u.hi - u.lo, dtype=torch.uint8)
+        raw = scratch.take(u.hi - u.lo)
         read_chunk_bytes(storage, ChunkRef(u.key, u.file, u.chunk), u.lo, raw, verify, segment)
         return u.hi - u.lo, copy_parts(raw, u, needed, rank), 0
 
@@ -70,7 +91,7 @@ def _owned(
 
 
 def _shared(
-    storage: Storage, u: Unit, needed: Sequence[ReadItem], rank: int
+    storage: Storage, scratch: _Scratch, u: Unit, needed: Sequence[ReadItem], rank: int
 ) -> Callable[[], tuple[int, int, int]]:
     """Copy this rank's parts of a unit another rank owns (and verifies) out of the page cache;
     (bytes read where it could not be mapped, placed, placed)."""
@@ -80,7 +101,7 @@ def _shared(
         view = storage.map_range(u.file, start, size)
         read = 0
         if view is None:
-            raw = torch.empty(size, dtype=torch.uint8)
+            raw = scratch.take(size)
             storage.read_into(u.file, start, buffer_of(raw))
             read = size
         else:

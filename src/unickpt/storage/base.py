@@ -153,6 +153,9 @@ class Storage(ABC):
     max_parts: int | None = None
     """The most parts a data file may have (S3: 10,000); parts grow to stay within it."""
 
+    max_part_bytes: int | None = None
+    """The largest part a data file may have (S3: 5 GiB); large chunks are cut to fit."""
+
     @property
     @abstractmethod
     def location(self) -> str:

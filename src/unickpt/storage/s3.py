@@ -170,6 +170,7 @@ class S3Storage(Storage):
     """
 
     min_part_bytes = 5 * MiB
+    max_part_bytes = 5 * 1024 * MiB
     max_parts = 10_000
 
     def __init__(

@@ -116,6 +116,34 @@ def test_a_chunk_above_the_part_cap_is_cut_also_when_not_contiguous(
         assert torch.equal(dest["t"], t)
 
 
+class _LostAnswers(S3Storage):
+    """S3 whose answers to the marker's PUT and to deletes are lost after the server acted
+    (as a connection cut after the request reached the server)."""
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        super().write_atomic(name, data)
+        if name == "COMMIT":
+            raise unickpt.CheckpointError(f"writing {name} failed: the answer was lost")
+
+    def remove(self, name: str) -> None:
+        super().remove(name)
+        raise unickpt.CheckpointError(f"deleting {name} failed: the answer was lost")
+
+
+def test_a_save_whose_marker_landed_is_committed(
+    s3_bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The marker's answer lost: the save reads it back and counts as committed; a cleanup
+    that fails after the marker only warns (the next save removes what is left)."""
+    storage = _LostAnswers(f"s3://{s3_bucket}/lost")
+    unickpt.save(storage, _state(1), config=CONFIG)
+    unickpt.save(storage, _state(2), config=CONFIG, overwrite=True)
+    assert "the checkpoint is committed, the next save removes the rest" in caplog.text
+    dest = _blank()
+    unickpt.load(f"s3://{s3_bucket}/lost", dest, config=CONFIG)
+    _assert_same(dest, _state(2))
+
+
 def test_async_save_and_failed_saves_leave_nothing(s3_endpoint: str, s3_bucket: str) -> None:
     bad = f"s3://{s3_bucket}/bad"
     async_and_refused_saves(f"s3://{s3_bucket}/async", bad, _state, _blank, _assert_same, CONFIG)

@@ -75,11 +75,14 @@ class S3BenchConfig:
 
 @dataclass(frozen=True)
 class SystemTimes:
-    """One system's seconds per round (``message``: why it did not run)."""
+    """One system's seconds per round, wall and CPU of the client process (its threads; not
+    the server's); ``message``: why it did not run."""
 
     name: str
     save_s: tuple[float, ...] = ()
     load_s: tuple[float, ...] = ()
+    save_cpu_s: tuple[float, ...] = ()
+    load_cpu_s: tuple[float, ...] = ()
     message: str = ""
 
 
@@ -151,15 +154,17 @@ def _run(config: S3BenchConfig, endpoint: str, progress: Callable[[str], None]) 
     state = dict(s3_dcp.matrices(config.mib))
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     systems = _systems(config, storage, state)
-    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in systems}
+    times: dict[str, list[Timing]] = {name: [] for name in systems}
     for rnd in range(config.repeats):
         names = list(systems)
         for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
-            save_s, load_s = systems[name]()
-            times[name][0].append(save_s)
-            times[name][1].append(load_s)
-            progress(f"round {rnd + 1}: {name}: save {save_s:.2f} s, load {load_s:.2f} s")
-    rows = [SystemTimes(n, tuple(s), tuple(lo)) for n, (s, lo) in times.items()]
+            t = systems[name]()
+            times[name].append(t)
+            progress(
+                f"round {rnd + 1}: {name}: save {t[0]:.2f} s (CPU {t[2]:.2f} s), "
+                f"load {t[1]:.2f} s (CPU {t[3]:.2f} s)"
+            )
+    rows = [_times(name, runs) for name, runs in times.items()]
     if DCP not in systems:
         rows.append(SystemTimes(DCP, message=_dcp_missing(config)))
     tensors = len(state)
@@ -172,12 +177,14 @@ def _run(config: S3BenchConfig, endpoint: str, progress: Callable[[str], None]) 
 
 
 UNICKPT, TRANSFER_MANAGER, DCP = "unickpt", "boto3 transfer manager", "DCP + fsspec/s3fs"
+Timing = tuple[float, float, float, float]
+"""Save and load seconds, wall then CPU."""
 
 
 def _systems(
     config: S3BenchConfig, storage: S3Storage, state: dict[str, torch.Tensor]
-) -> dict[str, Callable[[], tuple[float, float]]]:
-    """Each system's round: (save seconds, load seconds), the load checked."""
+) -> dict[str, Callable[[], Timing]]:
+    """Each system's round: its :data:`Timing`, the load checked."""
     systems = {
         UNICKPT: _unickpt(config, storage.child("unickpt").location, state),
         TRANSFER_MANAGER: _transfer_manager(config, storage, state),
@@ -189,23 +196,23 @@ def _systems(
 
 def _unickpt(
     config: S3BenchConfig, url: str, state: dict[str, torch.Tensor]
-) -> Callable[[], tuple[float, float]]:
+) -> Callable[[], Timing]:
     cfg = config.unickpt_config()
     dest = {k: torch.empty_like(v) for k, v in state.items()}
 
-    def round_trip() -> tuple[float, float]:
-        save_s = _timed(lambda: unickpt.save(url, state, overwrite=True, config=cfg))
-        load_s = _timed(lambda: unickpt.load(url, dest, config=cfg))
+    def round_trip() -> Timing:
+        save_s, save_cpu = _timed(lambda: unickpt.save(url, state, overwrite=True, config=cfg))
+        load_s, load_cpu = _timed(lambda: unickpt.load(url, dest, config=cfg))
         if not all(torch.equal(dest[k], v) for k, v in state.items()):
             raise RuntimeError("unickpt loaded different values than it saved")
-        return save_s, load_s
+        return save_s, load_s, save_cpu, load_cpu
 
     return round_trip
 
 
 def _transfer_manager(
     config: S3BenchConfig, storage: S3Storage, state: dict[str, torch.Tensor]
-) -> Callable[[], tuple[float, float]]:
+) -> Callable[[], Timing]:
     """The matrices' bytes as one object, in parts of unickpt's size, with as many threads
     (and the same client: connection pool, retries)."""
     from boto3.s3.transfer import TransferConfig
@@ -218,18 +225,20 @@ def _transfer_manager(
     key = f"{storage.prefix}/transfer-manager/object".lstrip("/")
     client, bucket = storage.client, storage.bucket
 
-    def round_trip() -> tuple[float, float]:
-        save_s = _timed(lambda: client.upload_fileobj(io.BytesIO(payload), bucket, key, Config=tc))
+    def round_trip() -> Timing:
+        save_s, save_cpu = _timed(
+            lambda: client.upload_fileobj(io.BytesIO(payload), bucket, key, Config=tc)
+        )
         out = io.BytesIO()
-        load_s = _timed(lambda: client.download_fileobj(bucket, key, out, Config=tc))
+        load_s, load_cpu = _timed(lambda: client.download_fileobj(bucket, key, out, Config=tc))
         if out.getbuffer() != payload:
             raise RuntimeError("the transfer manager downloaded different bytes")
-        return save_s, load_s
+        return save_s, load_s, save_cpu, load_cpu
 
     return round_trip
 
 
-def _dcp(config: S3BenchConfig, url: str) -> Callable[[], tuple[float, float]]:
+def _dcp(config: S3BenchConfig, url: str) -> Callable[[], Timing]:
     """DCP's save and load, timed inside a fresh process of the peers environment."""
     assert config.peers_python is not None
     command = [config.peers_python, s3_dcp.__file__, "--url", url, "--mib", str(config.mib)]
@@ -237,12 +246,12 @@ def _dcp(config: S3BenchConfig, url: str) -> Callable[[], tuple[float, float]]:
     endpoint = os.environ.get("AWS_ENDPOINT_URL")
     command += ["--endpoint", endpoint] if endpoint else []
 
-    def round_trip() -> tuple[float, float]:
+    def round_trip() -> Timing:
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"DCP through s3fs failed:\n{done.stderr[-3000:]}")
-        times = json.loads(done.stdout.strip().splitlines()[-1])
-        return float(times["save_s"]), float(times["load_s"])
+        t = json.loads(done.stdout.strip().splitlines()[-1])
+        return t["save_s"], t["load_s"], t["save_cpu_s"], t["load_cpu_s"]
 
     return round_trip
 
@@ -256,10 +265,16 @@ def _dcp_missing(config: S3BenchConfig) -> str:
     return "" if probe.returncode == 0 else f"s3fs does not import with {python}"
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
+def _times(name: str, runs: list[Timing]) -> SystemTimes:
+    save_s, load_s, save_cpu_s, load_cpu_s = (tuple(r[i] for r in runs) for i in range(4))
+    return SystemTimes(name, save_s, load_s, save_cpu_s, load_cpu_s)
+
+
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall and CPU seconds (this process, all its threads) of ``fn()``."""
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def to_markdown(report: S3Report) -> str:
@@ -268,16 +283,21 @@ def to_markdown(report: S3Report) -> str:
     lines = [
         f"{mib:,.0f} MiB in {mib / 64:.0f} float32 matrices against {report.endpoint}; "
         f"{c.repeats} rounds, systems alternating; medians (lowest-highest). unickpt and the "
-        f"transfer manager: {c.io_threads} threads, parts of {c.part_mib} MiB.",
+        f"transfer manager: {c.io_threads} threads, parts of {c.part_mib} MiB. CPU: seconds of the "
+        "client process, not the server's.",
         "",
-        "| system | save MiB/s | load MiB/s |",
-        "| --- | --- | --- |",
+        "| system | save MiB/s | load MiB/s | save CPU s | load CPU s |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for row in report.systems:
         if row.message:
-            lines.append(f"| {row.name} | not run: {row.message} | |")
+            lines.append(f"| {row.name} | not run: {row.message} | | | |")
         else:
-            lines.append(f"| {row.name} | {_rate(mib, row.save_s)} | {_rate(mib, row.load_s)} |")
+            rates = f"{_rate(mib, row.save_s)} | {_rate(mib, row.load_s)}"
+            cpu = (
+                f"{statistics.median(row.save_cpu_s):.2f} | {statistics.median(row.load_cpu_s):.2f}"
+            )
+            lines.append(f"| {row.name} | {rates} | {cpu} |")
     ours, ceiling = (_row(report, n) for n in (UNICKPT, TRANSFER_MANAGER))
     lines += [
         "",

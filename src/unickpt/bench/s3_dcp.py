@@ -2,7 +2,7 @@
 
 Run by ``unickpt bench --storage s3://...`` with the interpreter of the peers environment
 (s3fs pins a botocore that the main environment's boto3 does not accept); it imports only torch
-and s3fs, prints one JSON line ``{"save_s": ..., "load_s": ...}`` and exits::
+and s3fs, prints one JSON line of seconds (``save_s``, ``load_s``, ``save_cpu_s``, ``load_cpu_s``)::
 
     .venv-peers/bin/python src/unickpt/bench/s3_dcp.py --url s3://bucket/prefix/dcp --mib 64
 """
@@ -45,15 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     writer = FsspecWriter(
         args.url, thread_count=args.threads, sync_files=False, overwrite=True, **options
     )
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     dcp.save(state, storage_writer=writer, no_dist=True)
-    save_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     dcp.load(dest, storage_reader=FsspecReader(args.url, **options), no_dist=True)
-    load_s = time.perf_counter() - t0
+    t2, c2 = time.perf_counter(), time.process_time()
     if not all(torch.equal(dest[k], v) for k, v in state.items()):
         raise SystemExit("DCP through s3fs loaded different values than it saved")
-    print(json.dumps({"save_s": save_s, "load_s": load_s}))
+    times = {"save_s": t1 - t0, "load_s": t2 - t1, "save_cpu_s": c1 - c0, "load_cpu_s": c2 - c1}
+    print(json.dumps(times))
     return 0
 
 

@@ -11,6 +11,7 @@ import torch
 
 from ..config import Config
 from ..dist import Comm, run_step
+from ..encoding.reading import DecodeItem, plan_encoded_reads
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsafeObjectError
 from ..format.metadata import Metadata
 from ..format.values import decode_value
@@ -59,6 +60,7 @@ class _Plan:
     reads: list[ReadItem] = field(default_factory=list)
     unread: list[str] = field(default_factory=list)
     needed: list[ReadItem] = field(default_factory=list)
+    decodes: list[DecodeItem] = field(default_factory=list)
 
 
 def load(
@@ -116,6 +118,8 @@ def load(
             stats = execute_reads(
                 storage, shared.local, config, config.verify, plan.meta.segment_bytes
             )
+            for decode in plan.decodes:
+                decode.run()
         _set_values(plan, comm, allow_pickle)
         for adapter, template in sorted(plan.flat.stateful, key=lambda a: a[0].order):
             adapter.load_state_dict(template)
@@ -209,8 +213,14 @@ def _plan_all_reads(plan: _Plan) -> list[ReadItem]:
             continue
         saved = meta.tensors[stored]
         index = check_chunks_tile(stored, saved)
-        if key not in skipped and leaf.pieces:
+        if key in skipped or not leaf.pieces:
+            continue
+        if saved.encoding is None:
             reads.extend(plan_reads(stored, saved, meta.files, leaf.pieces, index))
+        else:  # the stored rows into buffers, decoded into the leaf once read
+            encoded = plan_encoded_reads(stored, saved, meta.files, leaf.pieces, index)
+            reads.extend(encoded.reads)
+            plan.decodes.extend(encoded.decodes)
     return reads
 
 

@@ -36,10 +36,14 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
     deprecated psutil pynvml \
     aiofiles aiohttp importlib-metadata nest-asyncio
 
+# DCP through fsspec/s3fs for `unickpt bench --storage s3://...`: s3fs's aiobotocore pins its
+# own botocore, which may differ from the main environment's (boto3 of unickpt's s3 extra).
+"${PIP[@]}" "torch==${TORCH_VERSION}" s3fs
+
 "$VENV/bin/python" - <<'PY'
 import importlib
 
-for name in ("bytecheckpoint", "dlrover", "megatron.core.dist_checkpointing", "torchsnapshot"):
+for name in ("bytecheckpoint", "dlrover", "megatron.core.dist_checkpointing", "torchsnapshot", "s3fs"):
     try:
         importlib.import_module(name)
         print(f"ok        {name}")

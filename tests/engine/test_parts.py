@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import pairwise
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unickpt.engine.parts import Part, PartRules, Span, plan_parts
+from unickpt.errors import CheckpointError
+from unickpt.storage.s3 import S3Storage
 
 SEGMENT = 64
 
@@ -29,6 +33,7 @@ def layouts(draw: st.DrawFn) -> tuple[list[tuple[int, int]], list[bool], PartRul
         small_bytes=draw(st.integers(1, 6 * SEGMENT)),
         min_bytes=draw(st.sampled_from([0, 1, 5 * SEGMENT, 7 * SEGMENT + 3])),
         max_parts=draw(st.sampled_from([None, 1, 2, 3, 10])),
+        max_bytes=draw(st.sampled_from([None, None, 16 * SEGMENT, 40 * SEGMENT])),
     )
     return extents, splittable, rules
 
@@ -43,7 +48,13 @@ def test_parts_tile_the_file_and_respect_the_rules(
     case: tuple[list[tuple[int, int]], list[bool], PartRules],
 ) -> None:
     extents, splittable, rules = case
-    parts = plan_parts(extents, splittable, rules)
+    try:
+        parts = plan_parts(extents, splittable, rules)
+    except CheckpointError as e:  # only where the limits leave no way
+        cap = rules.cap_bytes()
+        assert cap is not None and rules.least_bytes(_file_end(extents)) > cap
+        assert "does not fit in" in str(e)
+        return
     assert parts, "every file has at least one part"
     assert [p.index for p in parts] == list(range(len(parts)))
     pos = 0
@@ -56,6 +67,8 @@ def test_parts_tile_the_file_and_respect_the_rules(
         assert p.nbytes >= max(rules.min_bytes, 1)
     if rules.max_parts is not None:
         assert len(parts) <= rules.max_parts
+    if rules.max_bytes is not None:
+        assert max(p.nbytes for p in parts) <= rules.max_bytes
     _check_spans(parts, extents, splittable, rules)
 
 
@@ -79,7 +92,7 @@ def _check_spans(
         assert got[0][0] == 0 and sum(n for _, n in got) == size
         assert all(a + n == b for (a, n), (b, _) in pairwise(got))
         if len(got) > 1:
-            assert splittable[i] and size >= rules.small_bytes
+            assert (splittable[i] or rules.must_cut(size)) and size >= rules.small_bytes
             for start, n in got:
                 assert start % rules.segment_bytes == 0
                 assert (start + n) % rules.segment_bytes == 0 or start + n == size
@@ -93,6 +106,7 @@ def test_parts_are_not_much_larger_than_needed(
     """A part closes once it reaches its size; only an uncut item or a segment overshoots it.
     Parts below that size end at a large chunk's boundary, or are the last."""
     extents, splittable, rules = case
+    rules = replace(rules, max_bytes=None)
     whole = max((n for _, n in extents), default=0)
     close_at = rules.close_bytes(_file_end(extents))
     parts = plan_parts(extents, splittable, rules)
@@ -143,3 +157,57 @@ def test_examples() -> None:
     # an empty file is one empty part
     assert [p.nbytes for p in plan_parts([(0, 0)], [True], rules)] == [0]
     assert plan_parts([], [], rules)[0].nbytes == 0
+
+
+MiB, GiB, TiB = 1 << 20, 1 << 30, 1 << 40
+S3_RULES = PartRules(
+    target_bytes=64 * MiB,
+    segment_bytes=MiB,
+    small_bytes=MiB,
+    min_bytes=S3Storage.min_part_bytes,
+    max_parts=S3Storage.max_parts,
+    max_bytes=S3Storage.max_part_bytes,
+)
+
+
+def _check_s3(parts: list[Part], file_bytes: int) -> None:
+    assert S3Storage.max_part_bytes == 5 * GiB and S3Storage.max_parts == 10_000
+    assert sum(p.nbytes for p in parts) == file_bytes
+    assert len(parts) <= 10_000
+    assert max(p.nbytes for p in parts) <= 5 * GiB
+    assert min((p.nbytes for p in parts[:-1]), default=5 * MiB) >= 5 * MiB
+
+
+@pytest.mark.parametrize(
+    "file_bytes", [1, 5 * MiB - 1, 5 * MiB, 64 * MiB + 1, 5 * GiB + 1, 50 * GiB, TiB, 36 * TiB]
+)
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_s3_limits_for_one_chunk_of_any_size(file_bytes: int, contiguous: bool) -> None:
+    """One chunk of any size up to 36 TiB fits S3's limits (5 MiB to 5 GiB parts, at most
+    10,000), also when its source is not contiguous (then it is cut above 1.25 GiB)."""
+    parts = plan_parts([(0, file_bytes)], [contiguous], S3_RULES)
+    _check_s3(parts, file_bytes)
+    if not contiguous and file_bytes <= 5 * GiB // 4:
+        assert len(parts) == 1  # copied whole once
+    if file_bytes == 50 * GiB:
+        assert [p.nbytes for p in parts[:2]] == [64 * MiB, 64 * MiB] and len(parts) == 800
+    if file_bytes == 36 * TiB:  # parts grow to stay within 10,000
+        least = -(-file_bytes // 9_999)  # every part but the last holds at least this
+        assert parts[0].nbytes == -(-least // MiB) * MiB and len(parts) == 9_998
+
+
+def test_s3_limits_for_many_chunks() -> None:
+    """Small and large chunks mixed, contiguous and not, 20 TiB in all."""
+    extents, splittable, end = [], [], 0
+    for i in range(4_000):
+        size = [100, 3 * MiB, 7 * GiB + 5, 4 * GiB, 900 * MiB][i % 5]
+        extents.append((end, size))
+        splittable.append(i % 3 != 0)
+        end = -(-(end + size) // 64) * 64
+    parts = plan_parts(extents, splittable, S3_RULES)
+    _check_s3(parts, extents[-1][0] + extents[-1][1])
+
+
+def test_files_beyond_s3_limits_are_refused_up_front() -> None:
+    with pytest.raises(CheckpointError, match=r"does not fit in 10,000 parts of at most "):
+        plan_parts([(0, 48 * TiB)], [True], S3_RULES)

@@ -89,6 +89,61 @@ def test_save_load_reshard_and_damage(s3_endpoint: str, s3_bucket: str) -> None:
         unickpt.load(url, _blank(), config=CONFIG)
 
 
+class _SmallPartsS3(S3Storage):
+    """S3 with a part cap of 8 MiB instead of 5 GiB, to cut chunks as 5 GiB would."""
+
+    max_part_bytes = 8 * MiB
+
+
+def test_a_chunk_above_the_part_cap_is_cut_also_when_not_contiguous(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
+    """16 MiB of a transposed (non-contiguous) matrix: one PUT without a cap; under a cap of
+    8 MiB, pieces of at most 6 MiB (the cap less a quarter of it, for uncut chunks), each
+    copied on its own; the values load back bitwise."""
+    t = torch.randn(1024, 4096, generator=torch.Generator().manual_seed(3)).t()
+    assert not t.is_contiguous()
+    for name, storage, etag_end in (
+        ("whole", S3Storage(f"s3://{s3_bucket}/cap/whole"), '"'),
+        ("cut", _SmallPartsS3(f"s3://{s3_bucket}/cap/cut"), '-3"'),
+    ):
+        unickpt.save(storage, {"t": t}, config=CONFIG)
+        data = next(k for k in keys(s3_endpoint, s3_bucket, f"cap/{name}/") if "/data-" in k)
+        head = raw_client(s3_endpoint).head_object(Bucket=s3_bucket, Key=data)
+        assert head["ETag"].endswith(etag_end) and head["ContentLength"] >= 16 * MiB
+        dest = {"t": torch.zeros(4096, 1024)}
+        unickpt.load(storage, dest, config=CONFIG)
+        assert torch.equal(dest["t"], t)
+
+
+class _LostAnswers(S3Storage):
+    """S3 whose answers to the marker's PUT and to deletes are lost after the server acted
+    (as a connection cut after the request reached the server)."""
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        super().write_atomic(name, data)
+        if name == "COMMIT":
+            raise unickpt.CheckpointError(f"writing {name} failed: the answer was lost")
+
+    def remove(self, name: str) -> None:
+        super().remove(name)
+        raise unickpt.CheckpointError(f"deleting {name} failed: the answer was lost")
+
+
+def test_a_save_whose_marker_landed_is_committed(
+    s3_bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The marker's answer lost: the save reads it back and counts as committed; a cleanup
+    that fails after the marker only warns (the next save removes what is left)."""
+    storage = _LostAnswers(f"s3://{s3_bucket}/lost")
+    unickpt.save(storage, _state(1), config=CONFIG)
+    unickpt.save(storage, _state(2), config=CONFIG, overwrite=True)
+    assert "the checkpoint is committed, the next save removes the rest" in caplog.text
+    dest = _blank()
+    unickpt.load(f"s3://{s3_bucket}/lost", dest, config=CONFIG)
+    _assert_same(dest, _state(2))
+
+
 def test_async_save_and_failed_saves_leave_nothing(s3_endpoint: str, s3_bucket: str) -> None:
     bad = f"s3://{s3_bucket}/bad"
     async_and_refused_saves(f"s3://{s3_bucket}/async", bad, _state, _blank, _assert_same, CONFIG)

@@ -41,4 +41,5 @@ def test_reshard_through_s3(s3_bucket: str) -> None:
     assert [w for wrong, _, _ in results for w in wrong] == []
     read, wanted = sum(r for _, r, _ in results), sum(w for _, _, w in results)
     print(f"\nresharded loads read {read} bytes for {wanted} needed ({read / wanted:.3f}x)")
+    assert read == wanted, "the ranks of one host read every byte they need once, no more"
     assert verify_checkpoint(f"{root}/layouts").ok

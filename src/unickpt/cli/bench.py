@@ -5,6 +5,7 @@ Run it::
     unickpt bench                          # ~100M parameters, 2 ranks, every system, 3 runs each
     unickpt bench --params 20M --world 2 --systems unickpt,dcp --repeats 3
     unickpt bench --device cuda            # on a GPU host: CUDA tensors, pinned staging
+    unickpt bench --storage s3://bucket/bench --mib 1024   # S3 throughput (see --storage)
     unickpt bench --workload dlrm --tables 4 --rows 500000   # embedding tables, row deltas
 """
 
@@ -31,6 +32,7 @@ from unickpt.bench.dlrm import DlrmConfig, render, run_dlrm
 from unickpt.bench.report import replace_results
 from unickpt.bench.results import STATUS_SKIPPED
 from unickpt.bench.systems.registry import SYSTEM_INFOS
+from unickpt.errors import CheckpointError
 
 _DEFAULT_PEERS_PYTHON = Path(".venv-peers/bin/python")
 _PEERS_ENV = "UNICKPT_BENCH_PEERS_PYTHON"
@@ -53,6 +55,13 @@ bench.json, bench.md and one bench-<measure>.png per measure.
 Peer systems (bytecheckpoint, dlrover, megatron, torchsnapshot) run with the interpreter of a
 separate environment: create it with benchmarks/setup_peers.sh. Without it their rows read
 "not installed".
+
+--storage s3://bucket/prefix measures object storage instead: save and load throughput of
+--mib MiB of float32 matrices with unickpt, with boto3's transfer manager moving the same bytes
+(the ceiling) and with DCP through fsspec/s3fs (in the peers environment, where s3fs installs),
+--repeats rounds alternating; then a resharded load on --reshard-world spawned ranks, bytes read
+against bytes needed. The endpoint is --endpoint, else AWS_ENDPOINT_URL; with neither, moto's
+server is started on loopback (and the output says so); --endpoint aws means AWS itself.
 
 --workload dlrm runs a DLRM-like recommendation job instead (one process): a few large
 embedding tables trained with SGD on Zipf-distributed ids, saved every --steps-between steps by
@@ -121,6 +130,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="also put the table into this markdown file's results block (docs/benchmarks.md)",
     )
+    s3 = parser.add_argument_group("object storage (--storage)")
+    s3.add_argument("--storage", default=None, help="s3://bucket/prefix: measure S3 throughput")
+    s3.add_argument("--endpoint", default=None, help="S3 endpoint URL, or aws (default: see above)")
+    s3.add_argument("--mib", type=int, default=512, help="MiB to move (default 512)")
+    s3.add_argument("--io-threads", type=int, default=8, help="threads of unickpt and boto3")
+    s3.add_argument("--part-mib", type=int, default=16, help="upload part / read piece size")
+    s3.add_argument("--reshard-world", type=int, default=3, help="ranks of the resharded load")
     parser.add_argument(
         "--workload",
         choices=("gpt", "dlrm"),
@@ -208,6 +224,8 @@ def run_dlrm_workload(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the markdown table and where the reports went."""
+    if args.storage is not None:
+        return _run_storage(args)
     if args.workload == "dlrm":
         return run_dlrm_workload(args)
     try:
@@ -245,4 +263,34 @@ def run(args: argparse.Namespace) -> int:
     print(markdown)
     for kind, path in paths.items():
         print(f"{kind}: {path}")
+    return 0
+
+
+def _run_storage(args: argparse.Namespace) -> int:
+    """``--storage s3://...``: throughput against the endpoint; prints the markdown report."""
+    from unickpt.bench.s3 import S3BenchConfig, run_s3_bench, to_markdown
+
+    if not args.storage.startswith("s3://"):
+        print(f"unickpt bench: --storage {args.storage}: only s3:// URLs", file=sys.stderr)
+        return 2
+    try:
+        config = S3BenchConfig(
+            url=args.storage,
+            endpoint=args.endpoint,
+            mib=args.mib,
+            repeats=args.repeats,
+            io_threads=args.io_threads,
+            part_mib=args.part_mib,
+            reshard_world=args.reshard_world,
+            peers_python=_peers_python(args.peers_python),
+        )
+    except (ValueError, CheckpointError) as exc:
+        print(f"unickpt bench: {exc}", file=sys.stderr)
+        return 2
+    report = run_s3_bench(config, lambda line: print(f"unickpt bench: {line}", file=sys.stderr))
+    markdown = to_markdown(report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench-s3.md").write_text(markdown + "\n")
+    print(markdown)
+    print(f"md: {args.out / 'bench-s3.md'}")
     return 0

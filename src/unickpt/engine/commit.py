@@ -14,7 +14,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from ..errors import CheckpointCorruptError, CheckpointNotFoundError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..format.codec import (
     assemble,
     decode_commit,
@@ -136,9 +136,25 @@ def commit(storage: Storage, meta: Metadata, save_id: str) -> None:
     name = metadata_name(save_id)
     storage.write_atomic(name, raw)
     record = CommitRecord(name, len(raw), digest(memoryview(raw)), save_id)
-    storage.write_atomic(COMMIT_FILE, encode_commit(record))
+    try:
+        storage.write_atomic(COMMIT_FILE, encode_commit(record))
+    except CheckpointError:
+        if not _committed(storage, save_id):  # else: the marker landed, its answer was lost
+            raise
     keep = {COMMIT_FILE, name, LOCK_FILE, *meta.files, *(r.index for r in meta.file_refs)}
-    remove_debris(storage, keep)
+    try:
+        remove_debris(storage, keep)
+    except CheckpointError as e:  # committed: what is left, the next save removes
+        log.warning("%s; the checkpoint is committed, the next save removes the rest", e)
+
+
+def _committed(storage: Storage, save_id: str) -> bool:
+    """Whether the marker in ``storage`` is this save's (False when it cannot be read)."""
+    try:
+        record = read_commit(storage)
+    except CheckpointError:
+        return False
+    return record is not None and record.save_id == save_id
 
 
 def remove_debris(storage: Storage, keep: set[str]) -> None:

@@ -8,13 +8,21 @@ that a file has at most ``max_parts`` parts. Inside a part a chunk appears whole
 piece that starts at a multiple of the checksum segment (counted from the chunk's start) and
 ends at one or at the chunk's end, so each part hashes whole segments. Chunks smaller than
 ``small_bytes`` are never cut (many share a part), nor are chunks whose source is not
-contiguous CPU memory (they are copied whole once).
+contiguous CPU memory (they are copied whole once), unless the backend caps a part's size
+(S3: 5 GiB) and such a chunk exceeds a quarter of the cap: then it is cut too, and each piece
+is copied on its own. Under a cap, parts close early enough that no part exceeds it; a file
+that cannot fit in ``max_parts`` parts of at most ``max_bytes`` is refused before any upload.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from ..errors import CheckpointError
+
+_PADDING = 64
+"""The most alignment padding between two items of a data file."""
 
 
 @dataclass(frozen=True)
@@ -38,13 +46,29 @@ class Part:
 
 @dataclass(frozen=True)
 class PartRules:
-    """Parts of about ``target_bytes``; at least ``min_bytes`` and at most ``max_parts``."""
+    """Parts of about ``target_bytes``; at least ``min_bytes`` (but the last), at most
+    ``max_bytes`` and at most ``max_parts`` of them."""
 
     target_bytes: int
     segment_bytes: int
     small_bytes: int
     min_bytes: int = 0
     max_parts: int | None = None
+    max_bytes: int | None = None
+
+    def must_cut(self, nbytes: int) -> bool:
+        """Whether a chunk is cut even where its source is not contiguous CPU memory."""
+        return self.max_bytes is not None and nbytes > self.max_bytes // 4
+
+    def cap_bytes(self) -> int | None:
+        """The most a part may be closed at so that, with an uncut chunk (at most a quarter
+        of ``max_bytes``, or below ``small_bytes``), a segment and padding, it stays within
+        ``max_bytes``."""
+        if self.max_bytes is None:
+            return None
+        uncut = max(self.max_bytes // 4, self.small_bytes, self.segment_bytes)
+        room = self.max_bytes - uncut - _PADDING
+        return room // self.segment_bytes * self.segment_bytes
 
     def least_bytes(self, file_bytes: int) -> int:
         """The smallest a part but the last may be, for a file of ``file_bytes``."""
@@ -55,9 +79,21 @@ class PartRules:
         return max(self.min_bytes, -(-file_bytes // (self.max_parts - 1)))
 
     def close_bytes(self, file_bytes: int) -> int:
-        """The size a part is closed at: the target, raised to the least, in whole segments."""
-        want = max(self.target_bytes, self.least_bytes(file_bytes), 1)
-        return -(-want // self.segment_bytes) * self.segment_bytes
+        """The size a part is closed at: the target, raised to the least, in whole segments,
+        lowered to the cap. Raises :class:`CheckpointError` when the least exceeds the cap."""
+        least = self.least_bytes(file_bytes)
+        want = -(-max(self.target_bytes, least, 1) // self.segment_bytes) * self.segment_bytes
+        cap = self.cap_bytes()
+        if cap is None or want <= cap:
+            return want
+        if least > cap:
+            count = f"{self.max_parts:,}" if self.max_parts is not None else "its"
+            raise CheckpointError(
+                f"a data file of {file_bytes:,} bytes does not fit in {count} parts of at most "
+                f"{self.max_bytes:,} bytes (the storage backend's limits); this rank holds too "
+                "much state for one file: save with more ranks."
+            )
+        return cap
 
 
 class _Builder:
@@ -90,8 +126,9 @@ def plan_parts(
 ) -> list[Part]:
     """Parts for items at ``extents`` (``(byte_offset, nbytes)``, in file order).
 
-    ``splittable[i]`` says item ``i`` may be cut (its source is contiguous CPU memory). A file
-    without bytes is one empty part.
+    ``splittable[i]`` says item ``i`` may be cut (its source is contiguous CPU memory); items
+    for which ``rules.must_cut`` holds are cut regardless. A file without bytes is one empty
+    part.
 
     >>> rules = PartRules(target_bytes=64, segment_bytes=64, small_bytes=32)
     >>> [p.nbytes for p in plan_parts([(0, 10), (64, 100), (192, 20)], [True] * 3, rules)]
@@ -110,7 +147,8 @@ def plan_parts(
         if large:
             b.close_if(b.least)  # a large chunk starts a part when the open one may end
         start = 0
-        step = nbytes if not (large and splittable[i]) else 0
+        cut = large and (splittable[i] or rules.must_cut(nbytes))
+        step = 0 if cut else nbytes
         while True:
             room = close_at - b.size
             n = step or min(nbytes - start, max(segment, -(-room // segment) * segment))

@@ -30,6 +30,7 @@ class ReferencingStorage(Storage):
         self.min_part_bytes = inner.min_part_bytes
         self.max_parts = inner.max_parts
         self.maps_files = inner.maps_files
+        self.max_part_bytes = inner.max_part_bytes
         self._steps: dict[str, Storage] = {}
         self._lock = threading.Lock()
 

@@ -44,6 +44,15 @@ class ItemSource:
         t = self.view if self.direct else self.view.to("cpu").contiguous()
         return byte_view(t)
 
+    def byte_range(self, start: int, nbytes: int, whole: bool) -> torch.Tensor:
+        """Bytes ``[start, start + nbytes)`` of the source in row-major order. A source that
+        is not contiguous CPU memory is copied: whole when ``whole`` (the item is one span),
+        else only the rows that hold the range (pieces of a chunk cut under a part cap)."""
+        if self.direct or whole:
+            return self.contiguous_bytes()[start : start + nbytes]
+        size = self.view.element_size()
+        return byte_view(rows_copy(self.view, start // size, (start + nbytes) // size))
+
 
 def write_file(
     storage: Storage,
@@ -65,6 +74,7 @@ def write_file(
         small_bytes=config.small_chunk_bytes,
         min_bytes=storage.min_part_bytes,
         max_parts=storage.max_parts,
+        max_bytes=storage.max_part_bytes,
     )
     extents = [(i.byte_offset, i.nbytes) for i in items]
     parts = plan_parts(extents, [s.direct for s in sources], rules)
@@ -120,8 +130,9 @@ def _write_part(
         if span.item is None:
             buffers += _zeros(span.nbytes)
             continue
-        data = sources[span.item].contiguous_bytes()[span.start : span.start + span.nbytes]
-        mv = buffer_of(data)
+        source = sources[span.item]
+        whole = span.start == 0 and span.nbytes == source.view.numel() * source.view.element_size()
+        mv = buffer_of(source.byte_range(span.start, span.nbytes, whole))
         if known is None:
             out[(span.item, span.start)] = segment_digests(mv, segment)
         else:
@@ -132,6 +143,19 @@ def _write_part(
         buffers.append(mv)
     handle.write_part(part.index, buffers)
     return out
+
+
+def rows_copy(view: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """Elements ``[first, end)`` of ``view`` in row-major order, as a contiguous CPU tensor,
+    copying only the leading-dimension rows that hold them (descending into a single row)."""
+    if view.dim() <= 1:
+        return view.reshape(-1)[first:end].to("cpu").contiguous()
+    inner = max(1, view[0].numel())
+    r0, r1 = first // inner, -(-end // inner)
+    if r1 - r0 == 1:
+        return rows_copy(view[r0], first - r0 * inner, end - r0 * inner)
+    rows = view[r0:r1].to("cpu").contiguous().reshape(-1)
+    return rows[first - r0 * inner : end - r0 * inner]
 
 
 def _count(mv: memoryview, segment: int) -> int:

@@ -156,6 +156,9 @@ class Storage(ABC):
     maps_files: bool = False
     """Whether :meth:`map_range` can map files (local file systems: through the page cache)."""
 
+    max_part_bytes: int | None = None
+    """The largest part a data file may have (S3: 5 GiB); large chunks are cut to fit."""
+
     @property
     @abstractmethod
     def location(self) -> str:

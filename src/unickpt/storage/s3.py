@@ -61,12 +61,17 @@ class _MultipartHandle(WriteHandle):
         self._store, self._key = store, key
         self._etags: dict[int, str] = {}
         self._done = False
-        resp = store._call(
-            f"starting the upload of {self.location}",
-            lambda: store.client.create_multipart_upload(Bucket=store.bucket, Key=key),
-        )
+        tries = []
+
+        def start() -> Any:
+            tries.append(1)
+            return store.client.create_multipart_upload(Bucket=store.bucket, Key=key)
+
+        resp = store._call(f"starting the upload of {self.location}", start)
         self._upload_id = str(resp["UploadId"])
-        store.abort_uploads(key, keep=self._upload_id)  # those of a retried lost answer
+        if len(tries) > 1 or resp.get("ResponseMetadata", {}).get("RetryAttempts", 0):
+            # a request sent again may have started an upload whose answer was lost
+            store.abort_uploads(key, keep=self._upload_id)
 
     def _write_part(self, index: int, buffers: list[memoryview]) -> None:
         s = self._store
@@ -170,6 +175,7 @@ class S3Storage(Storage):
     """
 
     min_part_bytes = 5 * MiB
+    max_part_bytes = 5 * 1024 * MiB
     max_parts = 10_000
 
     def __init__(

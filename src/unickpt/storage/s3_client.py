@@ -297,6 +297,8 @@ class BufferStream(io.RawIOBase):
         return n
 
     def read(self, size: int = -1) -> bytes:
+        """The next ``size`` bytes: a view of the buffer itself when they lie in one (the
+        HTTP client sends and hashes views as they are), else a joined copy."""
         left = len(self) - self._pos
         size = left if size is None or size < 0 else min(size, left)
         pieces = []
@@ -307,7 +309,9 @@ class BufferStream(io.RawIOBase):
             pieces.append(self._buffers[i][at : at + k])
             self._pos += k
             size -= k
-        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+        if len(pieces) == 1:
+            return pieces[0]  # type: ignore[return-value]  # bytes-like, read-only, no copy
+        return b"".join(pieces)
 
 
 def _find(starts: list[int], pos: int) -> int:

@@ -82,10 +82,16 @@ def _persist(
 
 
 def part_sizes(nbytes: int, storage: Storage) -> list[int]:
-    """Parts of about ``PART_BYTES`` within the backend's minimum and maximum count."""
+    """Parts of about ``PART_BYTES`` within the backend's minimum and maximum size and count."""
     size = max(PART_BYTES, storage.min_part_bytes, 1)
     if storage.max_parts:
         size = max(size, -(-nbytes // storage.max_parts))
+    if storage.max_part_bytes is not None and size > storage.max_part_bytes:
+        raise CheckpointError(
+            f"a data file of {nbytes:,} bytes does not fit in {storage.max_parts} parts of at "
+            f"most {storage.max_part_bytes:,} bytes (the storage backend's limits); save with "
+            "more ranks."
+        )
     count = max(1, -(-nbytes // size))
     return [size] * (count - 1) + [nbytes - size * (count - 1)]
 

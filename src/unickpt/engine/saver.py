@@ -17,12 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._version import __version__
 from ..config import Config
 from ..dist import Comm, RankFailure, failure_of, raise_failures, run_step
 from ..errors import CheckpointExistsError
+from ..format.chunk_map import ChunkMap, build_chunk_map
 from ..format.codec import encode_index
 from ..format.dtypes import dtype_name
 from ..format.metadata import PER_RANK_ABSENT, ChunkMeta, FileRef, Metadata, TensorMeta
@@ -324,7 +326,19 @@ def _metadata(prep: PreparedSave, gathered: list[Any], config: Config) -> Metada
         pickled_keys=tuple(sorted(pickled)),
         file_refs=refs,
         references=referenced,
+        chunk_map=_chunk_map(prep.plan, [g[1] is not None for g in gathered]),
     )
+
+
+def _chunk_map(plan: GlobalPlan, has_file: list[bool]) -> ChunkMap | None:
+    """Where each box of the plan is listed: the file of the rank that writes it (ranks
+    without a file are left out of the metadata's files)."""
+    position = np.cumsum(has_file) - 1
+    writers = plan.box_writers
+    if len(writers) and not all(has_file[w] for w in np.unique(writers).tolist()):
+        return None
+    ndims = {k: len(shape) for k, (_, shape, _) in plan.tensors.items()}
+    return build_chunk_map(ndims, plan.names, plan.box_keys, plan.box_coords, position[writers])
 
 
 def expected_segments(nbytes: int, segment: int) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import CheckpointCorruptError
 from ..format.chunk_map import ChunkLayout
 from ..format.dtypes import dtype_from_name, itemsize
-from ..format.index_arrays import TensorChunks, concat_chunks, decode_index_arrays
+from ..format.index_arrays import IndexChunks, TensorChunks, concat_indexes, decode_index_arrays
 from ..format.metadata import Metadata, TensorMeta
 from ..format.references import FileTable
 from ..layouts.boxes import Box
@@ -44,10 +44,13 @@ class SavedChunks:
         self.meta = meta
         self.table = FileTable(meta.files)
         self.files_read: set[int] = set()
-        self._by_key: dict[str, list[tuple[int, TensorChunks]]] = {}
+        self._decoded: list[IndexChunks] = []
+        self._all: IndexChunks | None = None
+        self._rows: dict[str, np.ndarray] = {}
         self._boxes: dict[str, set[Box]] = {}
         self._built: dict[str, TensorMeta] = {}
-        self._holders: dict[str, int] = {}
+        self._near: dict[tuple[int, tuple[Box, ...]], set[int]] = {}
+        self._listed: dict[int, np.ndarray] = {}
         self._map_checked: set[tuple[int, tuple[int, ...]]] = set()
 
     def load(self, wanted: Mapping[str, Sequence[Box]]) -> Metadata:
@@ -82,13 +85,18 @@ class SavedChunks:
         return {k for k in self._built if hit[chunk_map.tensors[k]]}
 
     def _files_for(self, key: str, boxes: Sequence[Box]) -> set[int]:
-        layout = self._layout(key)
-        if layout is None:
+        chunk_map = self.meta.chunk_map
+        if chunk_map is None:
             return set(range(len(self.meta.file_refs)))
-        mask = np.zeros(len(layout.files), dtype=bool)
-        for box in boxes:
-            mask |= layout.overlapping(box.offsets, box.lengths)
-        return set(np.unique(layout.files[mask]).tolist())
+        name = (chunk_map.tensors[key], tuple(boxes))
+        found = self._near.get(name)
+        if found is None:
+            layout = chunk_map.layouts[name[0]]
+            mask = np.zeros(len(layout.files), dtype=bool)
+            for box in boxes:
+                mask |= layout.overlapping(box.offsets, box.lengths)
+            found = self._near[name] = set(np.unique(layout.files[mask]).tolist())
+        return found
 
     @property
     def _map(self) -> bool:
@@ -104,42 +112,46 @@ class SavedChunks:
             return set()
         refs = self.meta.file_refs
 
-        def one(i: int) -> dict[str, TensorChunks]:
+        def one(i: int) -> IndexChunks:
             raw = read_index_bytes(self.storage, refs[i])
-            return decode_index_arrays(
-                raw, f"{self.storage.location}/{refs[i].index}", i, self.table
-            )
+            where = f"{self.storage.location}/{refs[i].index}"
+            return decode_index_arrays(raw, where, i, self.table)
 
-        with ThreadPoolExecutor(
-            min(_READERS, len(files)), thread_name_prefix="unickpt-index"
-        ) as pool:
+        threads = min(_READERS, len(files))
+        with ThreadPoolExecutor(threads, thread_name_prefix="unickpt-index") as pool:
             decoded = list(pool.map(one, files))
-        for i, per_key in zip(files, decoded):
-            for key, chunks in per_key.items():
+        listed: set[str] = set()
+        for i, found in zip(files, decoded):
+            for key in found.keys:
                 if key not in self.meta.tensors:
                     raise CheckpointCorruptError(
                         f"{self.storage.location}/{refs[i].index} lists chunks of '{key}', "
                         "which the metadata does not describe; the checkpoint is damaged."
                     )
-                self._by_key.setdefault(key, []).append((i, chunks))
+            _check_sizes(found, self.meta.tensors, self.meta.segment_bytes)
+            listed.update(found.keys)
             self.files_read.add(i)
-        return {k for per_key in decoded for k in per_key}
+        self._listed.clear()
+        self._decoded.extend(decoded)
+        self._all = concat_indexes(self._decoded)
+        self._rows = self._all.by_key()
+        return listed
 
     def _build(self, key: str) -> TensorMeta:
         """``key``'s tensor with the chunks overlapping the boxes asked for, after checking that
         the chunks of the indexes read, with the map's other boxes, tile it."""
         meta = self.meta.tensors[key]
-        parts = sorted(self._by_key.get(key, []), key=lambda p: p[0])
-        found = concat_chunks([c for _, c in parts]) if parts else None
-        if found is not None:
-            _check_sizes(key, meta, found, self.meta.segment_bytes)
+        rows = self._rows.get(key)
+        found = None
+        if rows is not None and self._all is not None:
+            found = self._all.tensor(key, rows)
         self._check_tiling(key, meta, found, self.files_read)
         if found is None:
             return meta
-        rows = _overlapping(found, self._boxes[key])
-        coords = found.coords[rows]
-        rows = rows[np.lexsort(coords[:, : found.ndim].T[::-1])] if found.ndim else rows
-        return replace(meta, chunks=tuple(found.chunk(int(i)) for i in rows))
+        near = _overlapping(found, self._boxes[key])
+        coords = found.coords[near]
+        near = near[np.lexsort(coords[:, : found.ndim].T[::-1])] if found.ndim else near
+        return replace(meta, chunks=tuple(found.chunk(int(i)) for i in near))
 
     def _check_tiling(
         self, key: str, meta: TensorMeta, found: TensorChunks | None, read: set[int]
@@ -154,7 +166,10 @@ class SavedChunks:
             if checked not in self._map_checked:
                 _check_rows(key, shape, layout.coords)
                 self._map_checked.add(checked)
-            listed = np.isin(layout.files, list(read))
+            number = self.meta.chunk_map.tensors[key]
+            listed = self._listed.get(number)
+            if listed is None:
+                listed = self._listed[number] = np.isin(layout.files, list(read))
             have = found.coords if found is not None else layout.coords[:0]
             if _same_rows(layout.coords[listed], have):
                 return
@@ -190,32 +205,37 @@ def _overlapping(found: TensorChunks, boxes: set[Box]) -> np.ndarray:
     return np.flatnonzero(mask)
 
 
-def _check_sizes(key: str, meta: TensorMeta, found: TensorChunks, segment: int) -> None:
-    """Each chunk within the tensor, with the bytes its box needs and one checksum per segment
-    (or none), as :func:`unickpt.format.codec.assemble` checks them."""
-    ndim = found.ndim
-    offsets, lengths = found.coords[:, :ndim], found.coords[:, ndim:]
-    shape = np.asarray(meta.shape, dtype=np.int64)
-    inside = ndim == len(meta.shape) and bool(
-        ((offsets >= 0) & (lengths >= 0) & (offsets + lengths <= shape)).all()
-    )
-    if not inside:
-        bad = 0
-        if ndim == len(meta.shape):
-            ok = ((offsets >= 0) & (lengths >= 0) & (offsets + lengths <= shape)).all(axis=1)
-            bad = int(np.flatnonzero(~ok)[0])
+def _check_sizes(found: IndexChunks, tensors: Mapping[str, TensorMeta], segment: int) -> None:
+    """Each chunk within its tensor, with the bytes its box needs and one checksum per segment
+    (or none), as :func:`unickpt.format.codec.assemble` checks them (on all rows at once)."""
+    dims = found.coords.shape[1] // 2
+    metas = [tensors[k] for k in found.keys]
+    ndim = np.array([len(t.shape) for t in metas], dtype=np.int64)
+    shape = np.ones((len(metas), dims), dtype=np.int64)
+    for i, t in enumerate(metas):
+        shape[i, : min(dims, len(t.shape))] = t.shape[:dims]
+    sizes = np.array([itemsize(dtype_from_name(t.dtype)) for t in metas], dtype=np.int64)
+    ids = found.key_ids
+    offsets, lengths = found.coords[:, :dims], found.coords[:, dims:]
+    inside = (found.ndims == ndim[ids]) & (
+        (offsets >= 0) & (lengths >= 0) & (offsets + lengths <= shape[ids])
+    ).all(axis=1)
+    if not inside.all():
+        i = int(np.flatnonzero(~inside)[0])
         raise CheckpointCorruptError(
-            f"an index lists a chunk of '{key}' at {offsets[bad].tolist()} that the metadata "
-            "does not describe; the checkpoint is damaged."
+            f"an index lists a chunk of '{found.keys[ids[i]]}' at "
+            f"{offsets[i, : found.ndims[i]].tolist()} that the metadata does not describe; the "
+            "checkpoint is damaged."
         )
-    expected = np.prod(lengths, axis=1, dtype=np.int64) * itemsize(dtype_from_name(meta.dtype))
+    expected = np.prod(lengths, axis=1, dtype=np.int64) * sizes[ids]
     segments = np.maximum(1, -(-expected // segment))
     sums = np.diff(found.sum_starts)
-    bad_rows = np.flatnonzero((found.nbytes != expected) | ((sums != 0) & (sums != segments)))
-    if len(bad_rows):
-        i = int(bad_rows[0])
+    bad = np.flatnonzero((found.nbytes != expected) | ((sums != 0) & (sums != segments)))
+    if len(bad):
+        i = int(bad[0])
         raise CheckpointCorruptError(
-            f"an index gives the chunk of '{key}' at {offsets[i].tolist()} {int(found.nbytes[i])} "
-            f"bytes and {int(sums[i])} checksums; its box and dtype need {int(expected[i])} "
-            f"bytes and {int(segments[i])} checksums. The checkpoint is damaged."
+            f"an index gives the chunk of '{found.keys[ids[i]]}' at "
+            f"{offsets[i, : found.ndims[i]].tolist()} {int(found.nbytes[i])} bytes and "
+            f"{int(sums[i])} checksums; its box and dtype need {int(expected[i])} bytes and "
+            f"{int(segments[i])} checksums. The checkpoint is damaged."
         )

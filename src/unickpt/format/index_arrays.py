@@ -6,7 +6,9 @@ and checksums. :func:`decode_index_arrays` reads the same JSON as
 :func:`unickpt.format.codec.decode_index` (versions 1 and 2) into one :class:`TensorChunks` per
 tensor: offsets and lengths as one int64 matrix, byte offsets, sizes and file numbers as int64
 vectors, the checksums as one flat list; :meth:`TensorChunks.chunk` builds the
-:class:`ChunkMeta` of one chunk when it is read.
+:class:`ChunkMeta` of one chunk when it is read. Decoding costs a few array conversions per
+index, not work per tensor: the rows of all tensors are decoded at once
+(:class:`IndexChunks`) and split per tensor when asked.
 """
 
 from __future__ import annotations
@@ -55,14 +57,49 @@ class TensorChunks:
     def chunks(self) -> list[ChunkMeta]:
         return [self.chunk(i) for i in range(len(self))]
 
-    def take(self, rows: np.ndarray) -> TensorChunks:
-        """The chunks at positions ``rows``, in that order."""
+
+@dataclass(frozen=True, eq=False)
+class IndexChunks:
+    """The chunks of one or more indexes, one row each, in the order listed: ``keys`` (the
+    tensors, in the order first listed), ``key_ids`` (each row's position in ``keys``),
+    ``ndims`` (each row's dimensions), ``coords`` (offsets, then lengths, padded to the most
+    dimensions with offset 0 and length 1), ``byte_offsets``, ``nbytes``, ``files`` and the
+    checksums (``sums``, ``sum_starts``) as in :class:`TensorChunks`."""
+
+    keys: list[str]
+    key_ids: np.ndarray
+    ndims: np.ndarray
+    coords: np.ndarray
+    byte_offsets: np.ndarray
+    nbytes: np.ndarray
+    files: np.ndarray
+    sums: list[str]
+    sum_starts: np.ndarray
+
+    def by_key(self) -> dict[str, np.ndarray]:
+        """The rows of each tensor, in the order listed."""
+        order = np.argsort(self.key_ids, kind="stable")
+        ends = np.searchsorted(self.key_ids[order], np.arange(len(self.keys) + 1))
+        return {k: order[ends[i] : ends[i + 1]] for i, k in enumerate(self.keys)}
+
+    def tensor(self, key: str, rows: np.ndarray | None = None) -> TensorChunks:
+        """The chunks of ``key`` (at ``rows``, default all of its rows)."""
+        if rows is None:
+            rows = self.by_key()[key]
+        ndim = int(self.ndims[rows[0]]) if len(rows) else 0
+        if len(rows) and (self.ndims[rows] != ndim).any():
+            raise CheckpointCorruptError(
+                f"the indexes list chunks of '{key}' with different numbers of dimensions; "
+                "the checkpoint is damaged. Load an earlier checkpoint."
+            )
+        dims = self.coords.shape[1] // 2
+        coords = self.coords[rows]
         starts = self.sum_starts[rows]
         counts = self.sum_starts[rows + 1] - starts
         sums = [s for a, n in zip(starts.tolist(), counts.tolist()) for s in self.sums[a : a + n]]
         return TensorChunks(
-            self.ndim,
-            self.coords[rows],
+            ndim,
+            np.concatenate([coords[:, :ndim], coords[:, dims : dims + ndim]], axis=1),
             self.byte_offsets[rows],
             self.nbytes[rows],
             self.files[rows],
@@ -71,47 +108,57 @@ class TensorChunks:
         )
 
 
-def concat_chunks(parts: Sequence[TensorChunks]) -> TensorChunks:
-    """The chunks of several indexes of one tensor, one after the other."""
+def concat_indexes(parts: Sequence[IndexChunks]) -> IndexChunks:
+    """The rows of several decoded indexes, one after the other."""
     if len(parts) == 1:
         return parts[0]
-    ndims = {p.ndim for p in parts}
-    if len(ndims) != 1:
-        raise ValueError(f"chunks of one tensor have {sorted(ndims)} dimensions")
-    shifts = np.cumsum([0] + [len(p.sums) for p in parts[:-1]])
-    starts = [p.sum_starts[:-1] + s for p, s in zip(parts, shifts.tolist())]
-    return TensorChunks(
-        parts[0].ndim,
-        np.concatenate([p.coords for p in parts]),
+    keys: dict[str, int] = {}
+    key_ids = []
+    for p in parts:
+        table = np.array([keys.setdefault(k, len(keys)) for k in p.keys], dtype=np.int64)
+        key_ids.append(table[p.key_ids] if len(p.key_ids) else p.key_ids)
+    dims = max(p.coords.shape[1] // 2 for p in parts)
+    shifts = np.cumsum([0] + [len(p.sums) for p in parts[:-1]]).tolist()
+    return IndexChunks(
+        list(keys),
+        np.concatenate(key_ids),
+        np.concatenate([p.ndims for p in parts]),
+        np.concatenate([_widen(p.coords, dims) for p in parts]),
         np.concatenate([p.byte_offsets for p in parts]),
         np.concatenate([p.nbytes for p in parts]),
         np.concatenate([p.files for p in parts]),
         [s for p in parts for s in p.sums],
-        np.concatenate([*starts, [sum(len(p.sums) for p in parts)]]).astype(np.int64),
+        np.concatenate(
+            [
+                *(p.sum_starts[:-1] + s for p, s in zip(parts, shifts)),
+                [shifts[-1] + len(parts[-1].sums)],
+            ]
+        ).astype(np.int64),
     )
+
+
+def _widen(coords: np.ndarray, dims: int) -> np.ndarray:
+    have = coords.shape[1] // 2
+    if have == dims:
+        return coords
+    out = np.zeros((len(coords), 2 * dims), dtype=np.int64)
+    out[:, dims:] = 1
+    out[:, :have] = coords[:, :have]
+    out[:, dims : dims + have] = coords[:, have:]
+    return out
 
 
 def decode_index_arrays(
     raw: bytes, source: str, file: int, files: FileTable | None = None
-) -> dict[str, TensorChunks]:
-    """The chunks of an index per tensor (tensors in the order first listed, chunks in the
-    order listed); chunks in this index's data file get number ``file``, chunks that refer to
-    an earlier checkpoint's file the number ``files`` gives it (as
+) -> IndexChunks:
+    """The chunks of an index as arrays; chunks in this index's data file get number ``file``,
+    chunks that refer to an earlier checkpoint's file the number ``files`` gives it (as
     :func:`~unickpt.format.codec.decode_index` numbers them)."""
     doc = load_json(raw, source)
     check_header(doc, source, INDEX_FORMAT)
     try:
         refs = [FileLocation(str(step), str(data)) for step, data in doc.get("refs", [])]
-        by_key: dict[str, list[list[Any]]] = {}
-        numbers: dict[int, int] = {}
-        for row in doc["chunks"]:
-            if not 6 <= len(row) <= 7:
-                raise ValueError(f"a chunk entry has {len(row)} elements, expected 6 or 7")
-            if len(row) == 7:  # numbered in the order listed, as decode_index numbers them
-                _file_number(row[6], refs, files, numbers)
-            by_key.setdefault(str(row[0]), []).append(row)
-        out = {key: _tensor(key, rows, file, refs, files, numbers) for key, rows in by_key.items()}
-        return out
+        return _decode(doc["chunks"], file, refs, files)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
         raise CheckpointCorruptError(
             f"{source}: the index is not well formed ({type(e).__name__}: {e}); the "
@@ -119,35 +166,43 @@ def decode_index_arrays(
         ) from e
 
 
-def _tensor(
-    key: str,
-    rows: list[list[Any]],
-    own: int,
-    refs: list[FileLocation],
-    files: FileTable | None,
-    numbers: dict[int, int],
-) -> TensorChunks:
-    offsets = np.array([r[1] for r in rows], dtype=np.int64)
-    lengths = np.array([r[2] for r in rows], dtype=np.int64)
-    if offsets.ndim != 2 or offsets.shape != lengths.shape:
-        raise ValueError(f"chunks of '{key}' have offsets and lengths of different sizes")
-    places = np.array([r[3:5] for r in rows], dtype=np.int64).reshape(len(rows), 2)
+def _decode(
+    rows: list[list[Any]], own: int, refs: list[FileLocation], files: FileTable | None
+) -> IndexChunks:
+    n = len(rows)
+    if any(not 6 <= len(r) <= 7 for r in rows):
+        raise ValueError("a chunk entry has fewer than 6 or more than 7 elements")
+    keys: dict[str, int] = {}
+    key_ids = np.fromiter((keys.setdefault(str(r[0]), len(keys)) for r in rows), np.int64, n)
+    ndims = np.fromiter((len(r[1]) for r in rows), np.int64, n)
+    if (np.fromiter((len(r[2]) for r in rows), np.int64, n) != ndims).any():
+        raise ValueError("a chunk has offsets and lengths of different sizes")
+    dims = int(ndims.max()) if n else 0
+    if n and (ndims == dims).all():
+        coords = np.array([r[1] + r[2] for r in rows], dtype=np.int64).reshape(n, 2 * dims)
+    else:
+        coords = np.zeros((n, 2 * dims), dtype=np.int64)
+        coords[:, dims:] = 1
+        for i, r in enumerate(rows):
+            k = len(r[1])
+            coords[i, :k], coords[i, dims : dims + k] = r[1], r[2]
+    places = np.array([r[3:5] for r in rows], dtype=np.int64).reshape(n, 2)
     if (places < 0).any():
-        raise ValueError(f"chunk of '{key}' at offset {int(places.min())}")
-    sums: list[str] = []
-    counts = np.empty(len(rows), dtype=np.int64)
-    for i, r in enumerate(rows):
-        if not isinstance(r[5], list):
-            raise TypeError(f"the checksums of a chunk of '{key}' are not a list")
-        counts[i] = len(r[5])
-        sums.extend(str(c) for c in r[5])
-    where = np.full(len(rows), own, dtype=np.int64)
+        raise ValueError(f"a chunk at offset {int(places.min())}")
+    if any(not isinstance(r[5], list) for r in rows):
+        raise TypeError("the checksums of a chunk are not a list")
+    counts = np.fromiter((len(r[5]) for r in rows), np.int64, n)
+    sums = [str(c) for r in rows for c in r[5]]
+    where = np.full(n, own, dtype=np.int64)
+    numbers: dict[int, int] = {}
     for i, r in enumerate(rows):
         if len(r) == 7:
             where[i] = _file_number(r[6], refs, files, numbers)
-    return TensorChunks(
-        offsets.shape[1],
-        np.concatenate([offsets, lengths], axis=1),
+    return IndexChunks(
+        list(keys),
+        key_ids,
+        ndims,
+        coords,
         places[:, 0].copy(),
         places[:, 1].copy(),
         where,

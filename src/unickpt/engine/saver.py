@@ -13,6 +13,7 @@ import logging
 import math
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -332,13 +333,26 @@ def _metadata(prep: PreparedSave, gathered: list[Any], config: Config) -> Metada
 
 def _chunk_map(plan: GlobalPlan, has_file: list[bool]) -> ChunkMap | None:
     """Where each box of the plan is listed: the file of the rank that writes it (ranks
-    without a file are left out of the metadata's files)."""
+    without a file are left out of the metadata's files). Kept with the plan, which later
+    saves of the same structure reuse."""
+    kept = _MAPS.get(plan)
+    if kept is not None and kept[0] == tuple(has_file):
+        return kept[1]
     position = np.cumsum(has_file) - 1
     writers = plan.box_writers
-    if len(writers) and not all(has_file[w] for w in np.unique(writers).tolist()):
-        return None
-    ndims = {k: len(shape) for k, (_, shape, _) in plan.tensors.items()}
-    return build_chunk_map(ndims, plan.names, plan.box_keys, plan.box_coords, position[writers])
+    found = None
+    if not len(writers) or all(has_file[w] for w in np.unique(writers).tolist()):
+        ndims = {k: len(shape) for k, (_, shape, _) in plan.tensors.items()}
+        found = build_chunk_map(
+            ndims, plan.names, plan.box_keys, plan.box_coords, position[writers]
+        )
+    _MAPS[plan] = (tuple(has_file), found)
+    return found
+
+
+_MAPS: weakref.WeakKeyDictionary[GlobalPlan, tuple[tuple[bool, ...], ChunkMap | None]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def expected_segments(nbytes: int, segment: int) -> int:

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+import unickpt
 from unickpt import CheckpointCorruptError
 from unickpt.bench.restore_plan import restore_figures
 from unickpt.engine.checksum import digest
@@ -172,3 +174,22 @@ def test_restore_figures_at_small_scale(save: SimulatedSave) -> None:
     found = restore_figures(save, 2, rank=5)
     assert found["restore_index_files_read"] == found["restore_index_files_needed"] == 2
     assert found["restore_reads_per_rank"] == 2 * TENSORS
+
+
+def test_a_save_writes_the_map_of_its_chunks(tmp_path: Path) -> None:
+    state = {"w": torch.ones(300, 40), "b": torch.zeros(7), "s": torch.tensor(3)}
+    unickpt.save(tmp_path / "ckpt", state)
+    storage = LocalStorage(tmp_path / "ckpt")
+    _, meta = read_metadata(storage)
+    _, full = read_checkpoint(storage)
+    assert meta.chunk_map is not None
+    for key, t in full.tensors.items():
+        layout = meta.chunk_map.layout(key)
+        assert layout is not None
+        boxes = sorted(c.offsets + c.lengths for c in t.chunks)
+        assert sorted(map(tuple, layout.coords.tolist())) == boxes
+        assert set(layout.files.tolist()) == {c.file for c in t.chunks}
+    loaded = SavedChunks(storage, meta).load({"w": [Box((10, 0), (5, 40))], "s": [Box((), ())]})
+    assert loaded.tensors["w"].chunks == full.tensors["w"].chunks
+    assert loaded.tensors["s"].chunks == full.tensors["s"].chunks
+    assert loaded.tensors["b"].chunks == ()

@@ -175,8 +175,10 @@ def _decode(
     keys: dict[str, int] = {}
     key_ids = np.fromiter((keys.setdefault(str(r[0]), len(keys)) for r in rows), np.int64, n)
     ndims = np.fromiter((len(r[1]) for r in rows), np.int64, n)
-    if (np.fromiter((len(r[2]) for r in rows), np.int64, n) != ndims).any():
-        raise ValueError("a chunk has offsets and lengths of different sizes")
+    differ = np.flatnonzero(np.fromiter((len(r[2]) for r in rows), np.int64, n) != ndims)
+    if len(differ):
+        r = rows[int(differ[0])]
+        raise ValueError(f"chunk of '{r[0]}' has {len(r[1])} offsets and {len(r[2])} lengths")
     dims = int(ndims.max()) if n else 0
     if n and (ndims == dims).all():
         coords = np.array([r[1] + r[2] for r in rows], dtype=np.int64).reshape(n, 2 * dims)
@@ -187,8 +189,10 @@ def _decode(
             k = len(r[1])
             coords[i, :k], coords[i, dims : dims + k] = r[1], r[2]
     places = np.array([r[3:5] for r in rows], dtype=np.int64).reshape(n, 2)
-    if (places < 0).any():
-        raise ValueError(f"a chunk at offset {int(places.min())}")
+    negative = np.flatnonzero((places < 0).any(axis=1))
+    if len(negative):
+        i = int(negative[0])
+        raise ValueError(f"chunk of '{rows[i][0]}' at offset {int(places[i, 0])}")
     if any(not isinstance(r[5], list) for r in rows):
         raise TypeError("the checksums of a chunk are not a list")
     counts = np.fromiter((len(r[5]) for r in rows), np.int64, n)

@@ -14,11 +14,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .config import Config, get_config
 from .dist import Comm
+from .encoding.saving import check_quantize
 from .engine import saver
 from .engine.futures import SaveFuture
 from .engine.hold import hold_steps
@@ -68,12 +69,18 @@ def save(
     config: Config | None = None,
     progress: Callable[[int, int], None] | None = None,
     incremental: IncrementalSave | None = None,
+    quantize: Mapping[str, int] | None = None,
 ) -> saver.SaveReport:
     """Save ``state`` to ``path``; durable and committed when it returns.
 
     ``progress(bytes_written, bytes_total)``, when given, is called on every rank as pieces of
     its data file land (a progress bar for long saves). ``incremental`` is how a
     :class:`~unickpt.Checkpointer` with ``incremental=True`` skips unchanged chunks.
+
+    ``quantize`` maps 2-D floating tables (embedding weights) to 8 or 4: they are stored with
+    per-row asymmetric uniform codes of that many bits and a float32 scale and minimum per row
+    (never by default; lossy). Loads decode them; the report's ``encoding_errors`` says what
+    quantization changed (``{"model.emb.weight": 8}``).
 
     >>> import torch, unickpt
     >>> model = torch.nn.Linear(4, 2)
@@ -84,7 +91,8 @@ def save(
     cfg = config or get_config()
     comm = Comm(group, cfg.collective_timeout_s)
     storage = storage_for(path)
-    prep = saver.prepare(comm, storage, state, allow_pickle, overwrite)
+    quantized = check_quantize(quantize)
+    prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized)
     prep.incremental = incremental
     sources = [ItemSource(v) for v in prep.views]
     return saver.write_and_commit(prep, storage, sources, cfg, progress)
@@ -101,6 +109,7 @@ def async_save(
     config: Config | None = None,
     on_commit: Callable[[], None] | None = None,
     incremental: IncrementalSave | None = None,
+    quantize: Mapping[str, int] | None = None,
 ) -> SaveFuture:
     """Snapshot ``state`` and return; write, fsync and commit go on in the background.
 
@@ -124,23 +133,24 @@ def async_save(
     cannot be seen; make them after ``fut.wait_snapshot()``. Errors of planning (an existing
     checkpoint, an unpicklable value) surface in ``wait()``. ``on_commit`` runs on every rank,
     in the background, once the checkpoint is committed (retention and replication hook in
-    there).
+    there). ``quantize`` is as for :func:`save`.
 
     >>> fut = unickpt.async_save("ckpt/step-100", state)  # doctest: +SKIP
     >>> ...  # train on
     >>> fut.wait()  # doctest: +SKIP
     """
     cfg = config or get_config()
+    quantized = check_quantize(quantize)
     fut = SaveFuture()
     fut.path = str(path) if not isinstance(path, Storage) else path.location
     if background_snapshot:
         return _deferred_save(
-            path, state, group, allow_pickle, overwrite, cfg, on_commit, fut, incremental
+            path, state, group, allow_pickle, overwrite, cfg, on_commit, fut, incremental, quantized
         )
     wait_pending()
     comm = Comm(group, cfg.collective_timeout_s)
     storage = storage_for(path)
-    prep = saver.prepare(comm, storage, state, allow_pickle, overwrite)
+    prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized)
     prep.incremental = incremental
     if prep.nbytes > cfg.staging_budget_bytes:
         log.info(
@@ -180,6 +190,7 @@ def _deferred_save(
     on_commit: Callable[[], None] | None,
     fut: SaveFuture,
     incremental: IncrementalSave | None = None,
+    quantize: dict[str, int] | None = None,
 ) -> SaveFuture:
     """Zero-stall: capture in the call; plan, copy and write in the background, while every
     optimizer step of the process waits for the copy."""
@@ -197,7 +208,7 @@ def _deferred_save(
         try:
             for previous in earlier:  # one save at a time: they share the staging memory
                 previous.wait_done()
-            prep = saver.prepare(comm, storage, captured.state, allow_pickle, overwrite)
+            prep = saver.prepare(comm, storage, captured.state, allow_pickle, overwrite, quantize)
             prep.incremental = incremental
             if marker is not None:
                 marker.synchronize()

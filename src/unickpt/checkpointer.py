@@ -14,12 +14,14 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import api
 from .config import Config, get_config
 from .dist import Comm, dedicated_comm, run_step
+from .encoding.saving import check_quantize
+from .engine.commit import read_checkpoint
 from .engine.futures import SaveFuture
 from .engine.incremental import Basis
 from .engine.references import needed_steps
@@ -128,13 +130,15 @@ class Checkpointer:
     With ``incremental=True`` a save writes only the chunks whose bytes changed since this
     Checkpointer's previous save and refers to the earlier checkpoints' bytes for the others
     (format version 2): frozen layers of a fine-tune, a frozen base under LoRA adapters, tables
-    left untouched cost nothing. Every ``full_every``-th save, and the first save of each
-    Checkpointer, is full. Worth it when much of the state stays the same between saves; in
-    full training, where every tensor changes, it only adds hashing before the write. Retention
-    keeps every step that a kept checkpoint refers to (``steps()`` lists them; they are deleted
-    once no kept checkpoint refers to them). ``row_deltas`` takes patterns of keys
-    (``fnmatch``, e.g. ``["model.tables.*", "optim.state.tables.*"]``) of embedding tables: of
-    those, only the rows that changed are written.
+    left untouched cost nothing. Every ``full_every``-th save is full; a Checkpointer's first
+    save refers to the newest committed checkpoint of the root (a restarted job's chain goes
+    on), except for tables compared row by row, written whole once. Worth it when much of the
+    state stays the same between saves; in full training, where every tensor changes, it only
+    adds hashing before the write. Retention keeps every step that a kept checkpoint refers to
+    (``steps()`` lists them; they are deleted once no kept checkpoint refers to them).
+    ``row_deltas`` takes patterns of keys (``fnmatch``, e.g. ``["model.tables.*",
+    "optim.state.tables.*"]``) of embedding tables: of those, only the rows that changed are
+    written.
 
     With ``every`` (a number of steps, or ``"auto"``) the loop calls :meth:`maybe_save` every
     step and the Checkpointer decides when to save: ``"auto"`` measures the step time and what
@@ -142,6 +146,8 @@ class Checkpointer:
     the loop's time, or, with a mean time between failures (``mtbf_s``, or learnt from the
     restarts recorded at the root), at the Young/Daly interval, never more often than that
     bound allows. :attr:`tuning` says what it measured and why it chose its interval.
+    ``quantize`` (table key -> 8 or 4 bits) stores those tables quantized per row in every
+    save (see :func:`unickpt.save`).
 
     >>> ckpt = unickpt.Checkpointer("runs/gpt", every="auto", max_overhead=0.01)  # doctest: +SKIP
     >>> for step in range(start, steps):  # doctest: +SKIP
@@ -165,6 +171,7 @@ class Checkpointer:
         every: int | str | None = None,
         max_overhead: float = 0.01,
         mtbf_s: float | None = None,
+        quantize: Mapping[str, int] | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last is {keep_last}; expected None or at least 1.")
@@ -201,6 +208,7 @@ class Checkpointer:
             # Its collectives run while saves write in the background: a group of their own.
             self._tuner_comm = dedicated_comm(group, self.config.collective_timeout_s)
         self._started = False
+        self.quantize = check_quantize(quantize)
 
     @property
     def memory_stats(self) -> MemoryStats | None:
@@ -252,10 +260,18 @@ class Checkpointer:
         target = self._step(step)
         inc = None
         if self._basis is not None:
+            if first:
+                self._seed_basis(self._basis, step)
             inc = self._basis.next_save(step_name(step), self.config.segment_bytes, self._committed)
         if not self.async_save:
             report = api.save(
-                target, state, group=self.group, overwrite=True, config=self.config, incremental=inc
+                target,
+                state,
+                group=self.group,
+                overwrite=True,
+                config=self.config,
+                incremental=inc,
+                quantize=self.quantize,
             )
             self._retain(step)
             return SaveFuture.completed(report)
@@ -268,8 +284,28 @@ class Checkpointer:
             config=self.config,
             on_commit=lambda: self._retain(step),
             incremental=inc,
+            quantize=self.quantize,
         )
         return self._pending
+
+    def _seed_basis(self, basis: Basis, step: int) -> None:
+        """This rank's first incremental save: start from the newest committed step before
+        ``step`` (a restarted job), so the save refers to its unchanged chunks. A checkpoint
+        that does not read leaves the save full."""
+        older = [s for s in self.steps() if s < step]
+        if not older:
+            return
+        try:
+            _, meta = read_checkpoint(self._step(older[-1]))
+        except CheckpointError as e:
+            log.info(
+                "incremental save of step %d is full: step %d does not read (%s)",
+                step,
+                older[-1],
+                e,
+            )
+            return
+        basis.seed(step_name(older[-1]), meta)
 
     def _committed(self, name: str) -> bool:
         return self.storage.child(name).size(COMMIT_FILE) is not None

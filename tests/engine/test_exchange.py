@@ -18,6 +18,8 @@ from unickpt.dist import Comm
 from unickpt.engine import exchange
 from unickpt.engine.commit import read_checkpoint
 from unickpt.engine.exchange import rank_needs, run_exchange
+from unickpt.engine.mapped import run_mapped_exchange
+from unickpt.engine.read import execute_reads
 from unickpt.layouts.boxes import Box
 from unickpt.planning.exchange_plan import RankNeeds, plan_exchange
 from unickpt.planning.load_plan import plan_reads
@@ -47,21 +49,30 @@ def _equal(state: dict[str, Any], world: int) -> bool:
     return all(torch.equal(state[k].to_local(), want[k].to_local()) for k in want)
 
 
+def _buffers() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("unickpt-load-")}
+
+
 def _loads(rank: int, world: int, root: str) -> dict[str, Any]:
     path = f"{root}/c"
+    before = _buffers()  # other jobs' loads on this machine are none of this test's business
     unickpt.save(path, _state(0, world, fill=True), config=get_config(segment_bytes=SEG))
     small = get_config(segment_bytes=SEG, window_bytes=16 * SEG, read_piece_bytes=16 * SEG)
     out: dict[str, Any] = {}
-    # Units of one segment, rounds of 4 units: many rounds through both buffers.
-    for name, config in (
-        ("shared", small),
-        ("default", get_config()),
-        ("alone", get_config(share_reads=False)),
-    ):
-        dest = _state(1, world, fill=False)
-        report = unickpt.load(path, dest, config=config)
-        out[name] = (_equal(dest, world), report.bytes_read, report.bytes_wanted)
-        out[name + " from peers"] = report.bytes_from_peers
+    # Local files share through the page cache (mapped units); a backend that cannot map
+    # (here fsspec's local file system) through buffers in /dev/shm, with units of one
+    # segment and rounds of 4 units: many rounds through both buffers.
+    for prefix, url in (("", path), ("fsspec ", f"file://{path}")):
+        for name, config in (
+            ("shared", small),
+            ("default", get_config()),
+            ("alone", get_config(share_reads=False)),
+        ):
+            dest = _state(1, world, fill=False)
+            report = unickpt.load(url, dest, config=config)
+            out[prefix + name] = (_equal(dest, world), report.bytes_read, report.bytes_wanted)
+            out[prefix + name + " from peers"] = report.bytes_from_peers
+    out["unmapped"] = _unmapped(path, world, small)
     dest = _state(0, world, fill=False)
     out["same layout"] = unickpt.load(path, dest, config=small).bytes_from_peers
     dist.barrier()
@@ -73,12 +84,13 @@ def _loads(rank: int, world: int, root: str) -> dict[str, Any]:
             f.seek(100)
             f.write(bytes([byte[0] ^ 0xFF]))
     dist.barrier()
-    try:
-        unickpt.load(path, _state(1, world, fill=False), config=small)
-        out["damaged"] = None
-    except unickpt.CheckpointError as e:
-        out["damaged"] = (type(e).__name__, str(e))
-    out["leftovers"] = [n for n in os.listdir("/dev/shm") if n.startswith("unickpt-load-")]
+    for prefix, url in (("", path), ("fsspec ", f"file://{path}")):
+        try:
+            unickpt.load(url, _state(1, world, fill=False), config=small)
+            out[prefix + "damaged"] = None
+        except unickpt.CheckpointError as e:
+            out[prefix + "damaged"] = (type(e).__name__, str(e))
+    out["leftovers"] = sorted(_buffers() - before)
     out.update(_without_shared_memory(f"{root}/intact", world, small))
     return out
 
@@ -110,6 +122,33 @@ def _without_shared_memory(path: str, world: int, config: Any) -> dict[str, Any]
     return out
 
 
+class _Unmappable(LocalStorage):
+    """Local files whose ranges cannot be mapped (as on a file system without mmap)."""
+
+    def map_range(self, name: str, offset: int, length: int) -> memoryview | None:
+        return None
+
+
+def _unmapped(path: str, world: int, config: Any) -> tuple[bool, int, int, int]:
+    """A rank that cannot map a unit another rank owns reads the unit's bytes instead."""
+    storage = _Unmappable(path)
+    _, meta = read_checkpoint(storage)
+    dest = _state(1, world, fill=False)
+    items = [
+        i
+        for k, t in dest.items()
+        for i in plan_reads(k, meta.tensors[k], meta.files, [(_box(t), t.to_local())])
+    ]
+    needs, needed = rank_needs(storage, items, True, meta.segment_bytes, world)
+    offers = [RankNeeds("host", n.token, n.needs) for n in _all_gather(needs)]
+    plan = plan_exchange(offers, meta.tensors, meta.files, SEG, SEG, 4 * SEG)
+    stats = run_mapped_exchange(dist.get_rank(), storage, plan, needed, config, True, SEG)
+    done = plan.exchanged(dist.get_rank())
+    rest = [item for i, item in enumerate(needed) if i not in done]
+    execute_reads(storage, rest + [i for i in items if i not in needed], config, True, SEG)
+    return _equal(dest, world), stats.bytes_read, stats.bytes_wanted, stats.bytes_from_peers
+
+
 def _box(t: Any) -> Box:
     local = t.to_local()
     offsets = [0] * local.dim()
@@ -126,23 +165,32 @@ def _all_gather(obj: Any) -> list[Any]:
 def test_shard0_into_shard1_reads_every_byte_once_and_finds_damage(tmp_path: Path) -> None:
     results = run_ranks(2, _loads, str(tmp_path))
     total = sum(t.numel() * t.element_size() for t in _tensors().values())
-    for name in ("shared", "default", "alone"):
-        assert all(r[name][0] for r in results), f"{name}: values differ"
-        assert sum(r[name][2] for r in results) == total
-    # Read once: every saved byte by one rank; each rank got part of its share from the other.
-    assert sum(r["shared"][1] for r in results) == total
-    assert sum(r["default"][1] for r in results) == total
-    assert all(0 < r["shared from peers"] < r["shared"][2] for r in results)
-    # Alone, each rank reads every chunk whole (it needs half of every row).
-    assert sum(r["alone"][1] for r in results) == 2 * total
-    assert [r["alone from peers"] for r in results] == [0, 0]
+    for prefix in ("", "fsspec "):
+        for name in ("shared", "default", "alone"):
+            assert all(r[prefix + name][0] for r in results), f"{prefix}{name}: values differ"
+            assert sum(r[prefix + name][2] for r in results) == total
+        # Read once: every saved byte by one rank; each rank got part of its share from the
+        # other (through the page cache, or the owner's buffer in /dev/shm).
+        assert sum(r[prefix + "shared"][1] for r in results) == total
+        assert sum(r[prefix + "default"][1] for r in results) == total
+        assert all(0 < r[prefix + "shared from peers"] < r[prefix + "shared"][2] for r in results)
+        # Alone, each rank reads every chunk whole (it needs half of every row).
+        assert sum(r[prefix + "alone"][1] for r in results) == 2 * total
+        assert [r[prefix + "alone from peers"] for r in results] == [0, 0]
+    # A unit that cannot be mapped is read by the other rank that needs part of it: right
+    # values, every unit read twice here (by its owner, and by the other rank).
+    unmapped = [r["unmapped"] for r in results]
+    assert all(equal for equal, _, _, _ in unmapped)
+    assert all(0 < peers < wanted for _, _, wanted, peers in unmapped)
+    assert sum(read for _, read, _, _ in unmapped) == 2 * total
     assert [r["same layout"] for r in results] == [0, 0]
     # The damaged segment is read by one rank only; every rank raises that rank's error.
-    errors = [r["damaged"] for r in results]
-    assert errors[0] == errors[1] and errors[0] is not None
-    kind, message = errors[0]
-    assert kind == "CheckpointCorruptError"
-    assert "loading failed on 1 of 2 ranks" in message and "checksum mismatch" in message
+    for prefix in ("", "fsspec "):
+        errors = [r[prefix + "damaged"] for r in results]
+        assert errors[0] == errors[1] and errors[0] is not None
+        kind, message = errors[0]
+        assert kind == "CheckpointCorruptError"
+        assert "loading failed on 1 of 2 ranks" in message and "checksum mismatch" in message
     assert [r["leftovers"] for r in results] == [[], []]
     # Without shared memory every rank reads alone, with the same values.
     assert [r["no shm"] for r in results] == [(True, total), (True, total)]

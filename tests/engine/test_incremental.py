@@ -13,6 +13,8 @@ from torch import nn
 
 import unickpt
 from tests.distributed import run_ranks
+from tests.integrity._helpers import metadata_path
+from unickpt.checkpointer import step_name
 from unickpt.cli.main import main
 from unickpt.demo.lora import add_lora
 from unickpt.demo.model import GPT, GPTConfig
@@ -112,6 +114,31 @@ def test_compaction_and_retention_keep_what_is_referred_to(tmp_path: Path) -> No
         assert torch.equal(dest["frozen"], frozen) and dest["meta"]["step"] == step
         assert torch.equal(dest["live"], torch.full((1000,), float(step)))
     ckpt.close()
+
+
+def test_a_restarted_job_refers_to_the_newest_checkpoint(tmp_path: Path) -> None:
+    frozen = torch.arange(300_000, dtype=torch.float32)
+    options: dict[str, Any] = {"incremental": True, "full_every": 3, "async_save": False}
+    with unickpt.Checkpointer(tmp_path / "run", **options) as ckpt:
+        for step in range(2):
+            ckpt.save(step, _state(frozen, step))
+    with unickpt.Checkpointer(tmp_path / "run", **options) as ckpt:  # the job restarted
+        sizes = [ckpt.save(step, _state(frozen, step)).wait() for step in (2, 3)]
+        assert sizes[0] is not None and sizes[0].bytes_written < frozen.nbytes  # refers to 0
+        # step 1 referred to step 0 and step 2 to step 0: the chain is due for a full save
+        assert sizes[1] is not None and sizes[1].bytes_written > frozen.nbytes
+        dest = _state(torch.zeros_like(frozen), -1)
+        unickpt.load(ckpt.path(2), dest)
+        assert torch.equal(dest["frozen"], frozen) and dest["meta"]["step"] == 2
+        assert json.loads(metadata_path(Path(ckpt.path(2))).read_bytes())["references"] == [
+            step_name(0)
+        ]
+    with unickpt.Checkpointer(tmp_path / "damaged", **options) as ckpt:
+        ckpt.save(0, _state(frozen, 0))
+        metadata_path(Path(ckpt.path(0))).write_bytes(b"{}")
+    with unickpt.Checkpointer(tmp_path / "damaged", **options) as ckpt:
+        report = ckpt.save(1, _state(frozen, 1)).wait()  # step 0 does not read: a full save
+        assert report is not None and report.bytes_written > frozen.nbytes
 
 
 def test_missing_or_damaged_referenced_step(

@@ -129,3 +129,38 @@ def test_index_references_roundtrip() -> None:
     meta = replace(_meta(), references=("step-000000100",))
     assert decode_metadata(encode_metadata(meta), "m").references == ("step-000000100",)
     assert "references" not in json.loads(encode_metadata(_meta()))
+
+
+def test_row_runs_of_a_table_are_one_index_entry() -> None:
+    a, b = "0123456789abcdef", "fedcba9876543210"
+    pieces = [
+        ChunkMeta((10, 0), (3, 72), 0, 0, 216, (a,)),
+        ChunkMeta((13, 0), (500, 72), 1, 4096, 36000, (b, a)),  # two segments, referred to
+        ChunkMeta((513, 0), (1, 72), 0, 256, 72, (b,)),
+    ]
+    where = FileLocation("step-000000100", "data-cd-00000.bin")
+    lone = ChunkMeta((0, 0), (4, 4), 0, 512, 64, (a,))
+    raw = encode_index("data-ab-00000.bin", [("b", lone)], [where], [("t", pieces)])
+    doc = json.loads(raw)
+    assert doc["runs"] == [
+        ["t", [10, 0], [504, 72], 72, [3, 500, 1], [0, 1, 0], [0, 4096, 256], [a, b + a, b]]
+    ]
+    assert [row[0] for row in doc["chunks"]] == ["b"]
+    table = FileTable(["data-ab-00000.bin"])
+    back = decode_index(raw, "i", 0, table)
+    assert back[0] == ("b", lone)
+    assert [c for _, c in back[1:]] == pieces  # the referred piece is file 1 of the table
+    assert table.names()[1] == "../step-000000100/data-cd-00000.bin"
+    # pieces that are not consecutive whole rows of one box stay chunk entries
+    gap = [pieces[0], pieces[2]]
+    doc = json.loads(encode_index("d", [], [], [("t", gap)]))
+    assert "runs" not in doc and [row[1] for row in doc["chunks"]] == [[10, 0], [513, 0]]
+    for damage, message in [
+        (lambda r: r[4].append(1), "lists of different lengths"),
+        (lambda r: r[4].__setitem__(0, 4), "do not add up to its 504 rows"),
+        (lambda r: r[7].__setitem__(0, "abc"), "are 3 characters"),
+    ]:
+        bad = json.loads(raw)
+        damage(bad["runs"][0])
+        with pytest.raises(CheckpointCorruptError, match=message):
+            decode_index(json.dumps(bad).encode(), "i", 0, table)

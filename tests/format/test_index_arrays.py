@@ -129,3 +129,18 @@ def test_malformed_index_refused_by_both_decoders(forge) -> None:
         decode_index(raw, "idx", 0, FileTable(["d"]))
     with pytest.raises(CheckpointCorruptError, match="the index is not well formed"):
         decode_index_arrays(raw, "idx", 0, FileTable(["d"]))
+
+
+def test_row_runs_decode_alike() -> None:
+    pieces = [
+        ChunkMeta((0, 0), (2, 4), 0, 0, 32, SUMS[:1]),
+        ChunkMeta((2, 0), (3, 4), 1, 4096, 48, SUMS[1:]),
+        ChunkMeta((5, 0), (1, 4), 0, 64, 16, SUMS[:1]),
+    ]
+    refs = [FileLocation("step-1", "data-a-00000.bin")]
+    raw = encode_index("d", [("other", _c((0,), (4,), 128))], refs, [("table", pieces)])
+    assert "runs" in json.loads(raw)
+    old_table, new_table = FileTable(["d"]), FileTable(["d"])
+    assert _new(raw, 0, new_table) == _old(raw, 0, old_table)
+    assert new_table.names() == old_table.names()
+    assert _new(raw, 0, FileTable(["d"]))["table"][1].file == 1

@@ -30,6 +30,19 @@ def test_parts_land_at_their_offsets(tmp_path: Path) -> None:
     assert (tmp_path / "c" / "d").read_bytes() == b"012345689"
 
 
+def test_ranges_map_without_a_copy_and_writes_stay_private(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 64  # 16 KiB: ranges start off the page boundary
+    (tmp_path / "d").write_bytes(data)
+    s = LocalStorage(tmp_path)
+    view = s.map_range("d", 5000, 7000)
+    assert view is not None and bytes(view) == data[5000:12000]
+    view[0] ^= 0xFF
+    assert (tmp_path / "d").read_bytes() == data
+    assert s.map_range("d", 10000, 6385) is None  # one byte past the end: read instead
+    assert bytes(s.map_range("d", 0, 16384) or b"") == data
+    s.close()
+
+
 def test_new_folders_and_their_parents_are_made(tmp_path: Path) -> None:
     deep = tmp_path / "a" / "b" / "c"
     make_folder(deep)

@@ -184,6 +184,36 @@ def test_checkpointer_and_command_line(
     _assert_same(dest, _state(4))
 
 
+def test_incremental_checkpoints_refer_to_earlier_steps(s3_endpoint: str, s3_bucket: str) -> None:
+    """A frozen tensor is written by the first save only; later steps refer to its bytes,
+    load and verify whole, and retention keeps the step they refer to."""
+    root = f"s3://{s3_bucket}/inc"
+    ckpt = unickpt.Checkpointer(
+        root, keep_last=1, incremental=True, async_save=False, config=CONFIG
+    )
+    state = _state(1)
+    written = []
+    for step in range(3):
+        for t in state["small"].values():
+            t.add_(1)
+        report = ckpt.save(step, state).wait()
+        assert report is not None
+        written.append(report.bytes_written)
+    big = state["big"].numel() * 4
+    assert written[0] > big and all(n < big // 100 for n in written[1:]), written
+    # keep_last=1: step 1 is deleted, step 0 stays while step 2 refers to it (as on disk)
+    assert ckpt.steps() == [0, 2]
+    assert not any("/step-000000001/" in k for k in keys(s3_endpoint, s3_bucket, "inc/"))
+    dest = _blank()
+    assert ckpt.load_latest(dest) == 2
+    _assert_same(dest, state)
+    assert verify_checkpoint(ckpt.path(2)).ok
+    assert S3Storage(f"s3://{s3_bucket}/a/b").parent().location == f"s3://{s3_bucket}/a"  # type: ignore[union-attr]
+    assert S3Storage(f"s3://{s3_bucket}/a").parent().location == f"s3://{s3_bucket}"  # type: ignore[union-attr]
+    assert S3Storage(f"s3://{s3_bucket}").parent() is None
+    ckpt.close()
+
+
 def test_requests_tried_again_after_a_lost_answer(s3_endpoint: str, s3_bucket: str) -> None:
     """Completing an upload or taking the lock a second time, as a retry does when the first
     answer was lost, finds the work done and succeeds."""

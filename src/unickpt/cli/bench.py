@@ -5,11 +5,13 @@ Run it::
     unickpt bench                          # ~100M parameters, 2 ranks, every system, 3 runs each
     unickpt bench --params 20M --world 2 --systems unickpt,dcp --repeats 3
     unickpt bench --device cuda            # on a GPU host: CUDA tensors, pinned staging
+    unickpt bench --workload dlrm --tables 4 --rows 500000   # embedding tables, row deltas
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -25,6 +27,7 @@ from unickpt.bench import (
     write_outputs,
 )
 from unickpt.bench.config import DEVICES
+from unickpt.bench.dlrm import DlrmConfig, render, run_dlrm
 from unickpt.bench.report import replace_results
 from unickpt.bench.results import STATUS_SKIPPED
 from unickpt.bench.systems.registry import SYSTEM_INFOS
@@ -49,7 +52,15 @@ bench.json, bench.md and one bench-<measure>.png per measure.
 
 Peer systems (bytecheckpoint, dlrover, megatron, torchsnapshot) run with the interpreter of a
 separate environment: create it with benchmarks/setup_peers.sh. Without it their rows read
-"not installed"."""
+"not installed".
+
+--workload dlrm runs a DLRM-like recommendation job instead (one process): a few large
+embedding tables trained with SGD on Zipf-distributed ids, saved every --steps-between steps by
+a Checkpointer per way of saving (full; tables quantized per row at 8 and 4 bits; incremental
+with changed rows only, alone and at 8 and 4 bits). Prints the bytes per checkpoint of each,
+the error quantization made, the held-out loss after --more-steps more steps from each one's
+last checkpoint against the full one, and the interval Checkpointer(every="auto") chose for the
+full and the incremental 8-bit saves. Writes dlrm.json and dlrm.md."""
 
 
 def _systems_epilog() -> str:
@@ -110,7 +121,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="also put the table into this markdown file's results block (docs/benchmarks.md)",
     )
+    parser.add_argument(
+        "--workload",
+        choices=("gpt", "dlrm"),
+        default="gpt",
+        help="gpt: the systems comparison (default); dlrm: embedding tables (see below)",
+    )
+    dlrm = parser.add_argument_group("--workload dlrm")
+    defaults = DlrmConfig()
+    for name, help_text in _DLRM_OPTIONS.items():
+        value = getattr(defaults, name)
+        dlrm.add_argument(
+            "--" + name.replace("_", "-"),
+            type=type(value),
+            default=value,
+            help=f"{help_text} (default {value})",
+        )
+    dlrm.add_argument(
+        "--no-shm", action="store_true", help="no tuner jobs in /dev/shm, only on --workdir"
+    )
     parser.set_defaults(func=run)
+
+
+_DLRM_OPTIONS = {
+    "tables": "embedding tables",
+    "rows": "rows per table",
+    "dim": "columns per table",
+    "batch": "samples per step",
+    "zipf": "exponent of the ids' Zipf distribution",
+    "warm_steps": "steps before the first save",
+    "saves": "saves per way of saving",
+    "steps_between": "steps between saves",
+    "more_steps": "steps trained from each restored checkpoint",
+    "tuner_steps": "most steps of each tuner job (0: none)",
+    "max_overhead": "the tuner's bound on the loop's time spent saving",
+}
 
 
 def _peers_python(arg: str | None) -> str | None:
@@ -141,8 +186,30 @@ def _command(args: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
+def run_dlrm_workload(args: argparse.Namespace) -> int:
+    """``--workload dlrm``: run it, print its tables, write dlrm.json and dlrm.md."""
+    cfg = DlrmConfig(**{name: getattr(args, name) for name in _DLRM_OPTIONS})
+    result = run_dlrm(cfg, args.workdir or args.out / "ckpt-tmp", shm=not args.no_shm)
+    if args.workdir is None:
+        shutil.rmtree(args.out / "ckpt-tmp", ignore_errors=True)
+    parts = ["unickpt", "bench", "--workload", "dlrm"]
+    for name in _DLRM_OPTIONS:
+        parts += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    markdown = f"`{shlex.join(parts)}`\n\n{render(cfg, result)}"
+    result["command"] = shlex.join(parts)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "dlrm.json").write_text(json.dumps(result, indent=1))
+    (args.out / "dlrm.md").write_text(markdown + "\n")
+    print(markdown)
+    print(f"json: {args.out / 'dlrm.json'}")
+    print(f"markdown: {args.out / 'dlrm.md'}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the markdown table and where the reports went."""
+    if args.workload == "dlrm":
+        return run_dlrm_workload(args)
     try:
         config = BenchConfig(
             params=parse_param_count(args.params),

@@ -15,9 +15,10 @@ from .steps import PATH_HELP, add_step_option
 
 _DESCRIPTION = """\
 Print the tensors of a checkpoint (key, dtype, global shape, the layout it was saved from,
-number of stored shards, bytes) and its Python values (key, type, short value), with totals,
-the world size it was saved with, the versions that wrote it and when. Reads the metadata
-only; use `unickpt verify` to check the data."""
+number of stored shards, bytes stored), the quantized tables with the error quantization made
+(largest absolute difference, RMS difference relative to the values' RMS), its Python values
+(key, type, short value), with totals, the world size it was saved with, the versions that
+wrote it and when. Reads the metadata only; use `unickpt verify` to check the data."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -65,6 +66,15 @@ def render(s: CheckpointSummary) -> str:
     tensors = format_table(
         ["key", "dtype", "shape", "layout", "shards", "bytes"], tensor_rows, "45"
     )
+    quantized = [t for t in s.tensors if t.encoding is not None]
+    if quantized:
+        tensors += "\n\nquantized tables (loads decode them):\n" + format_table(
+            ["key", "encoding", "max abs error", "RMS relative error"],
+            [
+                [t.key, str(t.encoding), _error(t.max_abs_error), _error(t.rms_relative_error, "%")]
+                for t in quantized
+            ],
+        )
     object_rows = [
         [o.key, o.type + (" (per rank)" if o.per_rank else ""), o.summary] for o in s.objects
     ]
@@ -77,3 +87,9 @@ def render(s: CheckpointSummary) -> str:
         objects if s.objects else "(none)",
     ]
     return "\n\n".join([parts[0], "\n".join(parts[1:3]), "\n".join(parts[3:5])])
+
+
+def _error(value: float | None, unit: str = "") -> str:
+    if value is None:
+        return "unknown"
+    return f"{value:.3%}" if unit == "%" else f"{value:.4g}"

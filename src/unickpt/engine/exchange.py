@@ -1,5 +1,8 @@
 """Read once, share on the host: the exchange of a resharded load, through shared memory.
 
+This is the path of backends without a shared page cache (object stores, fsspec); files on a
+local file system share through the page cache instead (:mod:`unickpt.engine.mapped`).
+
 Every rank runs the same steps (the plan's rounds, plus one). In step ``k`` a rank copies its
 parts of round ``k - 1`` out of the owners' buffers and reads (and verifies) the units it owns
 in round ``k`` into its own buffer; then all ranks gather whether the step failed. Each owner
@@ -170,20 +173,26 @@ def _copier(
 
     def run() -> tuple[int, int, int]:
         raw = buffers.of(u.owner, u.round % 2)[u.offset : u.offset + u.hi - u.lo]
-        strides = row_major_strides(u.chunk.lengths)
-        placed = 0
-        for p in u.parts:
-            if p.rank != rank:
-                continue
-            item = needed[p.need]
-            typed = raw.view(item.dest.dtype)
-            first = typed.storage_offset() - u.lo // u.itemsize + flat_span(u.chunk, p.box)[0]
-            src = torch.as_strided(typed, p.box.lengths, strides, first)
-            item.dest[p.box.relative_to(item.region)].copy_(src)
-            placed += p.box.numel * u.itemsize
+        placed = copy_parts(raw, u, needed, rank)
         return 0, placed, placed if u.owner != rank else 0
 
     return run
+
+
+def copy_parts(raw: torch.Tensor, u: Unit, needed: Sequence[ReadItem], rank: int) -> int:
+    """Copy ``rank``'s parts of unit ``u`` out of ``raw`` (the unit's bytes); bytes placed."""
+    strides = row_major_strides(u.chunk.lengths)
+    placed = 0
+    for p in u.parts:
+        if p.rank != rank:
+            continue
+        item = needed[p.need]
+        typed = raw.view(item.dest.dtype)
+        first = typed.storage_offset() - u.lo // u.itemsize + flat_span(u.chunk, p.box)[0]
+        src = torch.as_strided(typed, p.box.lengths, strides, first)
+        item.dest[p.box.relative_to(item.region)].copy_(src)
+        placed += p.box.numel * u.itemsize
+    return placed
 
 
 class _Buffers:

@@ -10,8 +10,10 @@ bytes where they already lie (:mod:`unickpt.format.references`). References alwa
 file that holds the bytes, never at a checkpoint that itself refers on, so reading one costs one
 hop; a checkpoint depends on at most the steps saved since the last full one.
 
-Compaction: every ``full_every``-th save of a rank is full (writes every chunk), and so is the
-first save of a Checkpointer (the basis lives in memory: a restarted job starts a new chain).
+Compaction: every ``full_every``-th save of a rank is full (writes every chunk). The basis lives
+in memory; a Checkpointer's first save starts from the newest committed checkpoint of its root
+(:meth:`Basis.seed`, from its indexes: the checksums recorded there stand for the bytes), so a
+restarted job's first save refers to it too; without one that save is full.
 Retention keeps every step a kept checkpoint refers to.
 
 Memory: the basis and a save's digests hold one 16-character checksum per segment (1 MiB) plus
@@ -31,8 +33,8 @@ from fnmatch import fnmatchcase
 import torch
 
 from ..format.dtypes import buffer_of
-from ..format.metadata import ChunkMeta
-from ..format.references import FileLocation
+from ..format.metadata import ChunkMeta, Metadata
+from ..format.references import FileLocation, parse_reference
 from ..layouts.boxes import Box
 from ..planning.save_plan import CHUNK_ALIGN, WriteItem
 from .checksum import segment_digests
@@ -87,6 +89,21 @@ class Basis:
         self.rows: dict[tuple[str, Box], StoredRows] = {}
         self.segment_bytes = 0
         self.since_full = 0
+
+    def seed(self, step: str, meta: Metadata) -> None:
+        """Start from the committed checkpoint of step folder ``step`` (a restarted job): its
+        chunks, where their bytes lie and their checksums, as if this rank had saved it, so
+        the next save refers to its unchanged chunks. Row digests are not stored: tables
+        compared row by row are written whole once, then row by row again."""
+        chunks: _Chunks = {}
+        for key, t in meta.tensors.items():
+            for c in t.chunks:
+                name = meta.files[c.file]
+                where = parse_reference(name) or FileLocation(step, name)
+                chunks[(key, c.box)] = StoredChunk(where, c.byte_offset, c.nbytes, c.checksums)
+        self.chunks, self.rows = chunks, {}
+        self.segment_bytes = meta.segment_bytes
+        self.since_full = len(meta.references)  # at least the saves since its last full one
 
     def tracks_rows(self, item: WriteItem) -> bool:
         return (

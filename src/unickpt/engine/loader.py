@@ -11,6 +11,7 @@ import torch
 
 from ..config import Config
 from ..dist import Comm, run_step
+from ..encoding.reading import DecodeItem, plan_encoded_reads
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsafeObjectError
 from ..format.metadata import Metadata
 from ..format.values import decode_value
@@ -29,6 +30,7 @@ from ..storage.base import Storage
 from .commit import read_metadata
 from .exchange import ExchangeStats, rank_needs, run_exchange
 from .indexes import SavedChunks
+from .mapped import run_mapped_exchange
 from .read import aligned_piece_bytes, execute_reads
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class _Plan:
     reads: list[ReadItem] = field(default_factory=list)
     unread: list[str] = field(default_factory=list)
     needed: list[ReadItem] = field(default_factory=list)
+    decodes: list[DecodeItem] = field(default_factory=list)
 
 
 def load(
@@ -121,6 +124,8 @@ def load(
             stats = execute_reads(
                 storage, shared.local, config, config.verify, plan.meta.segment_bytes
             )
+            for decode in plan.decodes:
+                decode.run()
         _set_values(plan, comm, allow_pickle)
         for adapter, template in sorted(plan.flat.stateful, key=lambda a: a[0].order):
             adapter.load_state_dict(template)
@@ -164,13 +169,20 @@ def _exchange(
                 asked.setdefault(need.key, []).append(need.region)
         plan.meta = plan.chunks.load(asked)
     seg = plan.meta.segment_bytes
-    unit = aligned_piece_bytes(config.read_piece_bytes // 16, seg)
+    # Mapped units need no buffer of their own beyond one scratch per thread: larger units,
+    # fewer to plan. Shared-memory units are double-buffered per owner: smaller.
+    unit = aligned_piece_bytes(config.read_piece_bytes // (4 if storage.maps_files else 16), seg)
     xplan = plan_exchange(
         offers, plan.meta.tensors, plan.meta.files, seg, unit, unit * config.io_threads
     )
     if not xplan.units:
         return none
-    stats = run_exchange(comm, storage, xplan, plan.needed, config, config.verify, seg)
+    if storage.maps_files:
+        stats: ExchangeStats | None = run_mapped_exchange(
+            comm.rank, storage, xplan, plan.needed, config, config.verify, seg
+        )
+    else:
+        stats = run_exchange(comm, storage, xplan, plan.needed, config, config.verify, seg)
     if stats is None:
         return None
     if not stats.shared:
@@ -234,8 +246,14 @@ def _plan_all_reads(plan: _Plan, checked: bool = False) -> list[ReadItem]:
             continue
         saved = meta.tensors[stored]
         index = ChunkIndex(saved.chunks) if checked else check_chunks_tile(stored, saved)
-        if key not in skipped and leaf.pieces:
+        if key in skipped or not leaf.pieces:
+            continue
+        if saved.encoding is None:
             reads.extend(plan_reads(stored, saved, meta.files, leaf.pieces, index))
+        else:  # the stored rows into buffers, decoded into the leaf once read
+            encoded = plan_encoded_reads(stored, saved, meta.files, leaf.pieces, index)
+            reads.extend(encoded.reads)
+            plan.decodes.extend(encoded.decodes)
     return reads
 
 

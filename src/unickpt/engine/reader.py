@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..config import Config, get_config
+from ..encoding.reading import DecodeItem, plan_encoded_reads
 from ..errors import CheckpointMismatchError
 from ..format.dtypes import dtype_from_name
 from ..format.metadata import CommitRecord, Metadata
@@ -53,7 +54,7 @@ class CheckpointReader:
         self, key: str, out: torch.Tensor | None = None, box: Box | None = None
     ) -> torch.Tensor:
         """The whole tensor ``key`` (or the ``box`` of it) as a CPU tensor; a tied key reads
-        the tensor it is tied to."""
+        the tensor it is tied to, a quantized table is decoded."""
         meta = self.metadata.tensor(key)
         if meta is None:
             raise CheckpointMismatchError(
@@ -63,15 +64,23 @@ class CheckpointReader:
         index = self._indexes.get(stored)
         if index is None:
             index = self._indexes[stored] = check_chunks_tile(stored, meta)
-        box = box or Box.whole(meta.shape)
+        box = box or Box.whole(meta.value_shape)
         if out is None:
-            out = torch.empty(box.lengths, dtype=dtype_from_name(meta.dtype))
-        if box.numel:
+            out = torch.empty(box.lengths, dtype=dtype_from_name(meta.value_dtype))
+        if not box.numel:
+            return out
+        decodes: list[DecodeItem] = []
+        if meta.encoding is None:
             items = plan_reads(stored, meta, self.metadata.files, [(box, out)], index)
-            stats: ReadStats = execute_reads(
-                self.storage, items, self.config, self.verify, self.metadata.segment_bytes
-            )
-            self.bytes_read += stats.bytes_read
+        else:
+            encoded = plan_encoded_reads(stored, meta, self.metadata.files, [(box, out)], index)
+            items, decodes = encoded.reads, encoded.decodes
+        stats: ReadStats = execute_reads(
+            self.storage, items, self.config, self.verify, self.metadata.segment_bytes
+        )
+        for decode in decodes:
+            decode.run()
+        self.bytes_read += stats.bytes_read
         return out
 
     def read_value(self, key: str, rank: int = 0, allow_pickle: bool = False) -> Any:

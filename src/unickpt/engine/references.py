@@ -29,6 +29,7 @@ class ReferencingStorage(Storage):
         self.inner = inner
         self.min_part_bytes = inner.min_part_bytes
         self.max_parts = inner.max_parts
+        self.maps_files = inner.maps_files
         self._steps: dict[str, Storage] = {}
         self._lock = threading.Lock()
 
@@ -80,6 +81,10 @@ class ReferencingStorage(Storage):
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         storage, local = self._route(name)
         storage.read_into(local, offset, out)
+
+    def map_range(self, name: str, offset: int, length: int) -> memoryview | None:
+        storage, local = self._route(name)
+        return storage.map_range(local, offset, length)
 
     def read_bytes(self, name: str) -> bytes | None:
         storage, local = self._route(name)

@@ -15,8 +15,10 @@ whole table; the Checkpointer's ``full_every`` compacts every table as well.
 
 Memory: 8 bytes per row of each tracked chunk are kept between saves (the row digests), plus
 one small record per piece; while digesting, about three blocks of ``BLOCK_ROWS`` rows as int64
-words. Each piece is one chunk entry in the rank's index (about 70 bytes of JSON), so scattered
-changes to narrow rows cost index bytes comparable to the rows themselves.
+words. The pieces of one table are one entry of the rank's index (``runs`` in
+docs/format.md): per piece its row count, file, byte offset and checksum, about 35 bytes of
+JSON, so scattered changes to narrow (quantized) rows still cost index bytes comparable to the
+rows themselves.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .checksum import segment_digests
 
 BLOCK_ROWS = 1 << 14
 MAX_CHANGED_FRACTION = 0.5
-PIECE_INDEX_BYTES = 80
+PIECE_INDEX_BYTES = 40
 
 _K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _K2 = -4658895280553007687  # 0xBF58476D1CE4E5B9

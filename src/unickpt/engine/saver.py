@@ -14,8 +14,8 @@ import math
 import time
 import uuid
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,11 +24,26 @@ import torch
 from .._version import __version__
 from ..config import Config
 from ..dist import Comm, RankFailure, failure_of, raise_failures, run_step
+from ..encoding.rowwise import ErrorSums
+from ..encoding.saving import (
+    EncodedTable,
+    encode_leaves,
+    merge_errors,
+    with_encodings,
+    written_errors,
+)
 from ..errors import CheckpointExistsError
 from ..format.chunk_map import ChunkMap, build_chunk_map
 from ..format.codec import encode_index
 from ..format.dtypes import dtype_name
-from ..format.metadata import PER_RANK_ABSENT, ChunkMeta, FileRef, Metadata, TensorMeta
+from ..format.metadata import (
+    PER_RANK_ABSENT,
+    ChunkMeta,
+    EncodingError,
+    FileRef,
+    Metadata,
+    TensorMeta,
+)
 from ..format.references import FileLocation
 from ..format.values import encode_value, needs_pickle
 from ..layouts.boxes import Box
@@ -66,6 +81,8 @@ class PreparedSave:
     release: Callable[[], None] | None = None
     incremental: IncrementalSave | None = None
     """Set by a Checkpointer with ``incremental=True``: skip chunks its last save stored."""
+    encoded: dict[str, EncodedTable] = field(default_factory=dict)
+    encoding_errors: dict[str, ErrorSums] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -83,13 +100,25 @@ def local_plan(flat: Flattened) -> LocalPlan:
 
 
 def prepare(
-    comm: Comm, storage: Storage, state: dict[str, Any], allow_pickle: bool, overwrite: bool
+    comm: Comm,
+    storage: Storage,
+    state: dict[str, Any],
+    allow_pickle: bool,
+    overwrite: bool,
+    quantize: Mapping[str, int] | None = None,
 ) -> PreparedSave:
-    """Flatten, encode values, agree on the plan (cached while the structure is unchanged)."""
+    """Flatten, encode values, agree on the plan (cached while the structure is unchanged).
+
+    ``quantize`` (table key -> bits) stores those tables quantized per row (see
+    :mod:`unickpt.encoding.rowwise`).
+    """
     held: list[Callable[[], None]] = []
+    encoded: dict[str, EncodedTable] = {}
 
     def describe() -> tuple[Any, Any]:
         flat = flatten_state(state)
+        if quantize:
+            encoded.update(encode_leaves(flat, quantize))
         plan = local_plan(flat)
         # Every rank encodes its values (in parallel, so no slower than one rank doing it) and
         # learns from the plan which of them it sends: the lowest rank holding a key does.
@@ -127,7 +156,19 @@ def prepare(
     views = _views_for(flat, items)
     release = held[0] if held else None
     mine = {k: values[k] for k in global_plan.values_of(comm.rank)}
-    return PreparedSave(comm, save_id, global_plan, items, views, mine, per_rank, cached, release)
+    return PreparedSave(
+        comm,
+        save_id,
+        global_plan,
+        items,
+        views,
+        mine,
+        per_rank,
+        cached,
+        release,
+        encoded=encoded,
+        encoding_errors=written_errors(items, encoded),
+    )
 
 
 def _agree_on_plan(comm: Comm, plan: PackedPlan) -> GlobalPlan:
@@ -158,6 +199,8 @@ class SaveReport:
     write_s: float
     commit_s: float
     plan_cached: bool
+    encoding_errors: dict[str, EncodingError] = field(default_factory=dict)
+    """For each quantized table, what quantization changed in its values."""
 
 
 def write_and_commit(
@@ -189,8 +232,9 @@ def write_and_commit(
         failure, caught = failure_of(comm.rank, e), e
     write_s = time.perf_counter() - t0
     steps = prep.incremental.referenced_steps if prep.incremental else ()
-    payload = (failure, ref, prep.per_rank, prep.values, steps)
+    payload = (failure, ref, prep.per_rank, prep.values, steps, prep.encoding_errors)
     outcome: list[RankFailure | None] = [failure]
+    errors: dict[str, EncodingError] = {}
     try:
         gathered = comm.gather(payload)
         if comm.is_coordinator:
@@ -198,7 +242,8 @@ def write_and_commit(
             outcome = [g[0] for g in gathered]
             if not any(outcome):
                 try:
-                    meta = _metadata(prep, gathered, config)
+                    errors = merge_errors([g[5] for g in gathered])
+                    meta = _metadata(prep, gathered, config, errors)
                     commit(storage, meta, prep.save_id)
                 except Exception as e:  # noqa: BLE001 - reported to every rank
                     outcome = [failure_of(comm.rank, e)]
@@ -206,12 +251,13 @@ def write_and_commit(
     finally:
         if prep.release is not None:
             prep.release()
-    outcome = comm.broadcast(outcome)
+    outcome, errors = comm.broadcast((outcome, errors))
     raise_failures(comm, "saving", outcome, caught)
     if prep.incremental is not None:
         prep.incremental.adopt()
     total = ref.nbytes if ref else 0
-    return SaveReport(total, write_s, time.perf_counter() - t0 - write_s, prep.plan_cached)
+    commit_s = time.perf_counter() - t0 - write_s
+    return SaveReport(total, write_s, commit_s, prep.plan_cached, errors)
 
 
 def _write_rank_files(
@@ -237,8 +283,9 @@ def _write_rank_files(
         result, chunks, refs = _write_changed(prep, inc, storage, name, sources, config, progress)
     if inc is not None:
         inc.record(name, prep.items, chunks, refs)
-    entries = [(it.key, c) for it, cs in zip(prep.items, chunks) for c in cs]
-    raw = encode_index(name, entries, refs)
+    entries = [(it.key, cs[0]) for it, cs in zip(prep.items, chunks) if len(cs) == 1]
+    runs = [(it.key, cs) for it, cs in zip(prep.items, chunks) if len(cs) > 1]  # row deltas
+    raw = encode_index(name, entries, refs, runs)
     index = index_name(prep.save_id, prep.comm.rank)
     storage.write_atomic(index, raw)
     return FileRef(name, result.nbytes, index, len(raw), digest(memoryview(raw)))
@@ -301,13 +348,16 @@ def _nbytes(p: Piece) -> int:
     return p.source.view.numel() * p.source.view.element_size()
 
 
-def _metadata(prep: PreparedSave, gathered: list[Any], config: Config) -> Metadata:
+def _metadata(
+    prep: PreparedSave, gathered: list[Any], config: Config, errors: dict[str, EncodingError]
+) -> Metadata:
     refs = tuple(g[1] for g in gathered if g[1] is not None)
     referenced = tuple(sorted({s for g in gathered for s in g[4]}))
     tensors = {
         k: TensorMeta(dtype, shape, layout, ())
         for k, (dtype, shape, layout) in prep.plan.tensors.items()
     }
+    tensors = with_encodings(tensors, prep.encoded, errors)
     values = {k: gathered[rank][3][k] for k, rank in prep.plan.value_writers.items()}
     per_rank = {
         k: tuple(g[2].get(k, PER_RANK_ABSENT) for g in gathered) for k in prep.plan.per_rank_keys

@@ -11,7 +11,7 @@ import json
 import logging
 import zlib
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointVersionError
@@ -22,6 +22,8 @@ from .metadata import (
     FORMAT_VERSION,
     ChunkMeta,
     CommitRecord,
+    Encoding,
+    EncodingError,
     FileRef,
     Metadata,
     TensorMeta,
@@ -30,6 +32,8 @@ from .references import FileLocation, FileTable
 
 INDEX_FORMAT = "unickpt-index"
 log = logging.getLogger(__name__)
+ENCODINGS = ("rowwise-affine",)
+_ERROR = ("max_abs", "rms", "rms_relative")
 
 
 def encode_metadata(meta: Metadata) -> bytes:
@@ -52,10 +56,7 @@ def encode_metadata(meta: Metadata) -> bytes:
             }
             for f in meta.file_refs
         ],
-        "tensors": {
-            k: {"dtype": t.dtype, "shape": list(t.shape), "layout": t.layout}
-            for k, t in meta.tensors.items()
-        },
+        "tensors": {k: _encode_tensor(t) for k, t in meta.tensors.items()},
         "objects": meta.objects,
         "per_rank": {k: list(v) for k, v in meta.per_rank.items()},
         "pickled_keys": list(meta.pickled_keys),
@@ -83,12 +84,7 @@ def decode_metadata(raw: bytes, source: str) -> Metadata:
             )
             for f in doc["files"]
         )
-        tensors = {
-            str(k): TensorMeta(
-                str(v["dtype"]), tuple(int(s) for s in v["shape"]), str(v["layout"]), ()
-            )
-            for k, v in doc["tensors"].items()
-        }
+        tensors = {str(k): _decode_tensor(v) for k, v in doc["tensors"].items()}
         segment = int(doc["segment_bytes"])
         if segment <= 0 or segment % 16:
             raise ValueError(f"segment_bytes is {segment}, expected a positive multiple of 16")
@@ -147,31 +143,160 @@ def _aliases(doc: Any, tensors: dict[str, TensorMeta]) -> dict[str, str]:
     return aliases
 
 
+def _encode_tensor(t: TensorMeta) -> dict[str, Any]:
+    doc: dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape), "layout": t.layout}
+    if t.encoding is not None:
+        doc["encoding"] = encode_encoding(t.encoding)
+    return doc
+
+
+def _decode_tensor(doc: dict[str, Any]) -> TensorMeta:
+    encoding = doc.get("encoding")
+    return TensorMeta(
+        str(doc["dtype"]),
+        tuple(int(s) for s in doc["shape"]),
+        str(doc["layout"]),
+        (),
+        None if encoding is None else decode_encoding(encoding),
+    )
+
+
+def encode_encoding(e: Encoding) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "name": e.name,
+        "bits": e.bits,
+        "dtype": e.dtype,
+        "shape": list(e.shape),
+        "scale_dtype": e.scale_dtype,
+    }
+    if e.error is not None:
+        doc["error"] = asdict(e.error)
+    return doc
+
+
+def decode_encoding(doc: dict[str, Any]) -> Encoding:
+    if doc["name"] not in ENCODINGS:
+        raise ValueError(
+            f"encoding {doc['name']!r} is not one this unickpt knows ({', '.join(ENCODINGS)})"
+        )
+    error = doc.get("error")
+    return Encoding(
+        name=str(doc["name"]),
+        bits=int(doc["bits"]),
+        dtype=str(doc["dtype"]),
+        shape=tuple(int(s) for s in doc["shape"]),
+        scale_dtype=str(doc.get("scale_dtype", "float32")),
+        error=None if error is None else EncodingError(**{k: float(error[k]) for k in _ERROR}),
+    )
+
+
 def encode_index(
     data_file: str,
     entries: Sequence[tuple[str, ChunkMeta]],
     refs: Sequence[FileLocation] = (),
+    runs: Sequence[tuple[str, Sequence[ChunkMeta]]] = (),
 ) -> bytes:
     """One data file's chunks: ``[key, offsets, lengths, byte_offset, nbytes, checksums]``.
 
     A chunk whose ``file`` is ``r + 1`` lies in the earlier checkpoint's file ``refs[r]``
     (format version 2): its entry gets a seventh element ``r`` and the index lists ``refs``.
+    Each of ``runs`` is the consecutive row pieces of one box (a table saved with row deltas),
+    written as one entry of ``runs`` (see docs/format.md) when they allow it.
     """
-    chunks = []
+    chunks, compact = [], []
     for k, c in entries:
-        row = [k, list(c.offsets), list(c.lengths), c.byte_offset, c.nbytes, list(c.checksums)]
-        if c.file:
-            row.append(c.file - 1)
-        chunks.append(row)
+        chunks.append(_chunk_row(k, c))
+    for k, pieces in runs:
+        run = _row_runs(k, pieces)
+        if run is None:
+            chunks.extend(_chunk_row(k, c) for c in pieces)
+        else:
+            compact.append(run)
     doc: dict[str, Any] = {
         "format": INDEX_FORMAT,
         "version": FORMAT_VERSION,
         "data": data_file,
         "chunks": chunks,
     }
+    if compact:
+        doc["runs"] = compact
     if refs:
         doc["refs"] = [[r.step, r.data] for r in refs]
     return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+
+def _chunk_row(k: str, c: ChunkMeta) -> list[Any]:
+    row = [k, list(c.offsets), list(c.lengths), c.byte_offset, c.nbytes, list(c.checksums)]
+    if c.file:
+        row.append(c.file - 1)
+    return row
+
+
+_DIGEST_CHARS = 16
+
+
+def _row_runs(key: str, pieces: Sequence[ChunkMeta]) -> list[Any] | None:
+    """``[key, offsets, lengths, row_bytes, rows, files, byte_offsets, checksums]`` of
+    consecutive row pieces of one box, or None when they are not such pieces."""
+    if not pieces or any(len(c.lengths) < 1 or c.lengths[0] < 1 for c in pieces):
+        return None
+    first = pieces[0]
+    row_bytes, rest = divmod(first.nbytes, first.lengths[0])
+    start = first.offsets[0]
+    for c in pieces:
+        sound = (
+            c.offsets[0] == start
+            and c.offsets[1:] == first.offsets[1:]
+            and c.lengths[1:] == first.lengths[1:]
+            and c.nbytes == c.lengths[0] * row_bytes
+            and all(len(d) == _DIGEST_CHARS for d in c.checksums)
+        )
+        if rest or not sound:
+            return None
+        start += c.lengths[0]
+    lengths = [start - first.offsets[0], *first.lengths[1:]]
+    return [
+        key,
+        list(first.offsets),
+        lengths,
+        row_bytes,
+        [c.lengths[0] for c in pieces],
+        [c.file for c in pieces],
+        [c.byte_offset for c in pieces],
+        ["".join(c.checksums) for c in pieces],
+    ]
+
+
+def decode_runs(
+    row: list[Any], file: int, refs: list[FileLocation], files: FileTable | None
+) -> list[tuple[str, ChunkMeta]]:
+    key, offsets, lengths, row_bytes, rows, numbers, byte_offsets, checksums = row
+    if not len(rows) == len(numbers) == len(byte_offsets) == len(checksums):
+        raise ValueError(f"the row runs of '{key}' have lists of different lengths")
+    if sum(int(n) for n in rows) != int(lengths[0]) or int(row_bytes) < 0:
+        raise ValueError(f"the row runs of '{key}' do not add up to its {lengths[0]} rows")
+    out = []
+    start = int(offsets[0])
+    for n, number, at, sums in zip(rows, numbers, byte_offsets, checksums):
+        text = str(sums)
+        if len(text) % _DIGEST_CHARS:
+            raise ValueError(f"the checksums of a row run of '{key}' are {len(text)} characters")
+        ref = [] if int(number) == 0 else [int(number) - 1]
+        chunk = ChunkMeta(
+            offsets=(start, *(int(o) for o in offsets[1:])),
+            lengths=(int(n), *(int(x) for x in lengths[1:])),
+            file=_file_number(file, ref, refs, files),
+            byte_offset=int(at),
+            nbytes=int(n) * int(row_bytes),
+            checksums=tuple(
+                text[i : i + _DIGEST_CHARS] for i in range(0, len(text), _DIGEST_CHARS)
+            ),
+        )
+        if chunk.byte_offset < 0 or chunk.lengths[0] < 1:
+            raise ValueError(f"row run of '{key}' at offset {chunk.byte_offset}")
+        out.append((str(key), chunk))
+        start += int(n)
+    return out
 
 
 def decode_index(
@@ -199,6 +324,8 @@ def decode_index(
             if len(chunk.offsets) != len(chunk.lengths):
                 raise ValueError(f"chunk of '{key}' has {len(chunk.offsets)} offsets")
             out.append((str(key), chunk))
+        for row in doc.get("runs", []):
+            out.extend(decode_runs(row, file, refs, files))
         return out
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         raise CheckpointCorruptError(

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointCorruptError
-from .codec import INDEX_FORMAT, check_header, load_json
+from .codec import INDEX_FORMAT, check_header, decode_runs, load_json
 from .metadata import ChunkMeta
 from .references import FileLocation, FileTable
 
@@ -158,12 +158,21 @@ def decode_index_arrays(
     check_header(doc, source, INDEX_FORMAT)
     try:
         refs = [FileLocation(str(step), str(data)) for step, data in doc.get("refs", [])]
-        return _decode(doc["chunks"], file, refs, files)
+        rows = list(doc["chunks"])
+        runs = [c for run in doc.get("runs", []) for c in decode_runs(run, file, refs, files)]
+        found = _decode(rows + [_row(k, c) for k, c in runs], file, refs, files)
+        if runs:  # numbered by decode_runs
+            found.files[len(rows) :] = [c.file for _, c in runs]
+        return found
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
         raise CheckpointCorruptError(
             f"{source}: the index is not well formed ({type(e).__name__}: {e}); the "
             "checkpoint is damaged. Load an earlier checkpoint."
         ) from e
+
+
+def _row(key: str, c: ChunkMeta) -> list[Any]:
+    return [key, list(c.offsets), list(c.lengths), c.byte_offset, c.nbytes, list(c.checksums)]
 
 
 def _decode(

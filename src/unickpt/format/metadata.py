@@ -17,8 +17,8 @@ from .chunk_map import ChunkMap
 
 FORMAT_NAME = "unickpt"
 FORMAT_VERSION = 2
-"""Version 2 added ``aliases`` (tied weights), ``{"$absent": true}`` in ``per_rank`` and
-``references`` (incremental checkpoints)."""
+"""Version 2 added ``aliases`` (tied weights), ``{"$absent": true}`` in ``per_rank``,
+``references`` (incremental checkpoints) and tensor ``encoding`` (quantized tables)."""
 COMMIT_FILE = "COMMIT"
 CHECKSUM_ALGORITHM = "xxh3_64"
 PER_RANK_ABSENT: dict[str, Any] = {"$absent": True}
@@ -51,13 +51,53 @@ class ChunkMeta:
 
 
 @dataclass(frozen=True)
+class EncodingError:
+    """What an encoding changed in the values: the largest absolute difference, the root mean
+    square of the differences, and that relative to the root mean square of the values."""
+
+    max_abs: float
+    rms: float
+    rms_relative: float
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How a tensor's stored bytes encode its values (the stored tensor is ``TensorMeta.dtype``
+    and ``shape``; readers decode it back to ``dtype`` and ``shape`` here).
+
+    ``rowwise-affine``: each stored row is a ``scale_dtype`` scale and minimum followed by one
+    ``bits``-bit code per column; a value is ``minimum + code * scale``.
+    """
+
+    name: str
+    bits: int
+    dtype: str
+    shape: tuple[int, ...]
+    scale_dtype: str = "float32"
+    error: EncodingError | None = None
+
+
+@dataclass(frozen=True)
 class TensorMeta:
-    """A global tensor: dtype, shape, the layout it was saved from, and its stored chunks."""
+    """A global tensor: dtype, shape, the layout it was saved from, and its stored chunks.
+
+    With an ``encoding``, dtype, shape and chunks describe the stored form; the values a reader
+    gets have the encoding's dtype and shape (:attr:`value_dtype`, :attr:`value_shape`).
+    """
 
     dtype: str
     shape: tuple[int, ...]
     layout: str
     chunks: tuple[ChunkMeta, ...]
+    encoding: Encoding | None = None
+
+    @property
+    def value_dtype(self) -> str:
+        return self.dtype if self.encoding is None else self.encoding.dtype
+
+    @property
+    def value_shape(self) -> tuple[int, ...]:
+        return self.shape if self.encoding is None else self.encoding.shape
 
 
 @dataclass(frozen=True)

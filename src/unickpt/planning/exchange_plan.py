@@ -140,10 +140,14 @@ def _chunk(meta: TensorMeta, files: Sequence[str], file: str, offset: int) -> Ch
 
 def flat_span(chunk: ChunkMeta, box: Box) -> tuple[int, int]:
     """Elements ``[first, end)`` of ``chunk``'s row-major storage that ``box`` spans."""
-    strides = row_major_strides(chunk.lengths)
-    rel = [o - c for o, c in zip(box.offsets, chunk.offsets)]
-    first = sum(r * s for r, s in zip(rel, strides))
-    last = sum((r + n - 1) * s for r, n, s in zip(rel, box.lengths, strides))
+    return _span(row_major_strides(chunk.lengths), chunk.offsets, box)
+
+
+def _span(strides: tuple[int, ...], origin: tuple[int, ...], box: Box) -> tuple[int, int]:
+    first = last = 0
+    for o, n, c, s in zip(box.offsets, box.lengths, origin, strides):
+        first += (o - c) * s
+        last += (o - c + n - 1) * s
     return first, last + 1
 
 
@@ -155,26 +159,29 @@ def _cut(
     unit_bytes: int,
 ) -> list[tuple[int, int, tuple[Part, ...]]]:
     """The chunk's needed bytes as segment-aligned units, each with the parts ranks need."""
-    spans = [flat_span(chunk, n.region) for _, _, n in needs]
+    strides, origin = row_major_strides(chunk.lengths), chunk.offsets
+    spans = [_span(strides, origin, n.region) for _, _, n in needs]
     lo0 = min(f for f, _ in spans) * size // segment * segment
     hi0 = max(e for _, e in spans) * size
     out = []
     for ulo in range(lo0, hi0, unit_bytes):
         uhi = min(ulo + unit_bytes, _up(hi0, segment), chunk.nbytes)
         boxes = [
-            Box(tuple(o + c for o, c in zip(b.offsets, chunk.offsets)), b.lengths)
+            Box(tuple(o + c for o, c in zip(b.offsets, origin)), b.lengths)
             for b in flat_range_to_boxes(chunk.lengths, ulo // size, (uhi - ulo) // size)
         ]
-        parts = []
-        for rank, i, need in needs:
+        parts, first, end = [], uhi, ulo
+        for (rank, i, need), (nfirst, nend) in zip(needs, spans):
+            if nend * size <= ulo or nfirst * size >= uhi:
+                continue  # the need's span misses the unit: no box of it can overlap
             for b in boxes:
                 x = b.intersect(need.region)
                 if x is not None:
                     parts.append(Part(rank, i, x))
+                    xfirst, xend = _span(strides, origin, x)
+                    first, end = min(first, xfirst * size), max(end, xend * size)
         if not parts:
             continue
-        first = min(flat_span(chunk, p.box)[0] for p in parts) * size
-        end = max(flat_span(chunk, p.box)[1] for p in parts) * size
         lo = max(ulo, first // segment * segment)
         hi = min(uhi, _up(end, segment))
         out.append((lo, hi, tuple(parts)))

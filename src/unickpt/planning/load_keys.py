@@ -75,18 +75,20 @@ def match_keys(meta: Metadata, flat: Flattened, strict: bool) -> KeyMatch:
                 )
             continue
         resolved[key] = stored
+        # a quantized table is compared by the values it decodes to, not by its stored codes
         t = meta.tensors[stored]
-        if tuple(t.shape) != leaf.shape:
+        shape, dtype = t.value_shape, t.value_dtype
+        if tuple(shape) != leaf.shape:
             differ[key] = Difference(
                 "shape",
-                f"'{key}' has global shape {list(t.shape)} in the checkpoint but "
+                f"'{key}' has global shape {list(shape)} in the checkpoint but "
                 f"{list(leaf.shape)} in the state",
             )
-        elif t.dtype != dtype_name(leaf.dtype):
+        elif dtype != dtype_name(leaf.dtype):
             differ[key] = Difference(
                 "dtype",
-                f"'{key}' is {t.dtype} in the checkpoint but {dtype_name(leaf.dtype)} in the state",
-                t.dtype,
+                f"'{key}' is {dtype} in the checkpoint but {dtype_name(leaf.dtype)} in the state",
+                dtype,
             )
     for key in flat.values:
         if key in saved and key not in meta.objects:

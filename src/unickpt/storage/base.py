@@ -153,6 +153,9 @@ class Storage(ABC):
     max_parts: int | None = None
     """The most parts a data file may have (S3: 10,000); parts grow to stay within it."""
 
+    maps_files: bool = False
+    """Whether :meth:`map_range` can map files (local file systems: through the page cache)."""
+
     @property
     @abstractmethod
     def location(self) -> str:
@@ -193,6 +196,12 @@ class Storage(ABC):
     @abstractmethod
     def remove_tree(self, name: str) -> None:
         """Delete sub-folder ``name`` and everything in it; a missing one is no error."""
+
+    def map_range(self, name: str, offset: int, length: int) -> memoryview | None:
+        """Bytes ``[offset, offset + length)`` of file ``name`` mapped into memory without a copy
+        (writes to the view are private to this process and never reach the file), or None when
+        the backend cannot map or the file is shorter. The mapping lives as long as the view."""
+        return None
 
     def parent(self) -> Storage | None:
         """The folder holding this one, or None when the backend cannot name it.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import shutil
 import socket
@@ -108,6 +109,8 @@ class LocalStorage(Storage):
     when the holder dies.
     """
 
+    maps_files = True
+
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.root = Path(path)
         self._fds: dict[str, int] = {}
@@ -168,6 +171,15 @@ class LocalStorage(Storage):
                     "checkpoint."
                 )
             done += n
+
+    def map_range(self, name: str, offset: int, length: int) -> memoryview | None:
+        fd = self._reader_fd(name)
+        if os.fstat(fd).st_size < offset + length:
+            return None  # mapping past the end would fault on access; the caller reads instead
+        start = offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        prot = mmap.PROT_READ | mmap.PROT_WRITE  # copy on write: tensors want a writable buffer
+        mapped = mmap.mmap(fd, offset + length - start, mmap.MAP_PRIVATE, prot, offset=start)
+        return memoryview(mapped)[offset - start :]
 
     def size(self, name: str) -> int | None:
         try:

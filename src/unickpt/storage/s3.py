@@ -201,6 +201,20 @@ class S3Storage(Storage):
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         return call(self.settings, what, fn)
 
+    def parent(self) -> S3Storage | None:
+        """The prefix one level up (the bucket's top for a one-level prefix); None at the top."""
+        if not self.prefix:
+            return None
+        head = self.prefix.rpartition("/")[0]
+        url = f"s3://{self.bucket}/{head}" if head else f"s3://{self.bucket}"
+        return S3Storage(
+            url,
+            settings=self.settings,
+            client=self.client,
+            page_size=self.page_size,
+            stats=self.stats,
+        )
+
     def child(self, name: str) -> S3Storage:
         return S3Storage(
             f"s3://{self.bucket}/{self._key(name)}",

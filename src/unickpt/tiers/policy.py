@@ -142,7 +142,14 @@ class TierPolicy:
 
         ckpt = self.ckpt
         if not ckpt.async_save:
-            report = api.save(target, state, group=ckpt.group, overwrite=True, config=ckpt.config)
+            report = api.save(
+                target,
+                state,
+                group=ckpt.group,
+                overwrite=True,
+                config=ckpt.config,
+                quantize=ckpt.quantize,
+            )
             committed()
             return SaveFuture.completed(report)
         return api.async_save(
@@ -153,6 +160,7 @@ class TierPolicy:
             background_snapshot=ckpt.background_snapshot,
             config=ckpt.config,
             on_commit=committed,
+            quantize=ckpt.quantize,
         )
 
     def _make_room(self) -> None:

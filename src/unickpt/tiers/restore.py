@@ -164,6 +164,7 @@ class WithIndexes(Storage):
     def __init__(self, base: Storage, extra: dict[str, bytes]) -> None:
         self.base = base
         self.extra = extra
+        self.maps_files = base.maps_files
 
     @property
     def location(self) -> str:
@@ -181,6 +182,9 @@ class WithIndexes(Storage):
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         self.base.read_into(name, offset, out)
+
+    def map_range(self, name: str, offset: int, length: int) -> memoryview | None:
+        return self.base.map_range(name, offset, length)
 
     def read_bytes(self, name: str) -> bytes | None:
         raw = self.extra.get(name)

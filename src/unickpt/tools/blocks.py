@@ -37,9 +37,9 @@ def stream_tensor(
     """Pass the bytes of tensor ``key`` to ``write`` block by block (row-major, each read and
     checksum-verified), holding one block at a time; ``advance`` gets each block's size."""
     meta = reader.metadata.tensors[key]
-    size = itemsize(dtype_from_name(meta.dtype))
+    size = itemsize(dtype_from_name(meta.value_dtype))
     done = 0
-    for box in block_boxes(meta.shape, size, block_bytes):
+    for box in block_boxes(meta.value_shape, size, block_bytes):
         block = reader.read_tensor(key, box=box)
         write(raw_bytes(block))
         nbytes = block.numel() * block.element_size()
@@ -57,4 +57,4 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
 
 def tensor_nbytes(reader: CheckpointReader, key: str) -> int:
     meta = reader.metadata.tensors[key]
-    return Box.whole(meta.shape).numel * itemsize(dtype_from_name(meta.dtype))
+    return Box.whole(meta.value_shape).numel * itemsize(dtype_from_name(meta.value_dtype))

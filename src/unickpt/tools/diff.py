@@ -130,7 +130,7 @@ class _TensorComparer:
         va = set(self.ra.metadata.objects) | set(self.ra.metadata.per_rank)
         vb = set(self.rb.metadata.objects) | set(self.rb.metadata.per_rank)
         both = sorted(set(ta) & set(tb))
-        self.total = sum(self._nbytes(k) for k in both if ta[k].shape == tb[k].shape)
+        self.total = sum(self._nbytes(k) for k in both if ta[k].value_shape == tb[k].value_shape)
         out = []
         for key in sorted(set(ta) | set(tb)):
             if key in ta and key in tb:
@@ -145,28 +145,29 @@ class _TensorComparer:
 
     def _nbytes(self, key: str) -> int:
         t = self.ra.metadata.tensors[key]
-        return math.prod(t.shape) * dtype_from_name(t.dtype).itemsize
+        return math.prod(t.value_shape) * dtype_from_name(t.value_dtype).itemsize
 
     def _one_sided(self, key: str, kind: TensorDiffKind) -> TensorDiff:
         ma, mb = self.ra.metadata.tensors.get(key), self.rb.metadata.tensors.get(key)
         return TensorDiff(
             key,
             kind,
-            ma.dtype if ma else None,
-            mb.dtype if mb else None,
-            tuple(ma.shape) if ma else None,
-            tuple(mb.shape) if mb else None,
+            ma.value_dtype if ma else None,
+            mb.value_dtype if mb else None,
+            tuple(ma.value_shape) if ma else None,
+            tuple(mb.value_shape) if mb else None,
         )
 
     def compare(self, key: str) -> TensorDiff | None:
         ma, mb = self.ra.metadata.tensors[key], self.rb.metadata.tensors[key]
         self.compared += 1
-        shapes = (tuple(ma.shape), tuple(mb.shape))
+        shapes = (tuple(ma.value_shape), tuple(mb.value_shape))
         if shapes[0] != shapes[1]:
-            return TensorDiff(key, "shape", ma.dtype, mb.dtype, *shapes)
+            return TensorDiff(key, "shape", ma.value_dtype, mb.value_dtype, *shapes)
         stats = _Stats()
-        size = max(dtype_from_name(ma.dtype).itemsize, dtype_from_name(mb.dtype).itemsize, 8)
-        for box in block_boxes(ma.shape, size, self.block_bytes):
+        da, db = dtype_from_name(ma.value_dtype), dtype_from_name(mb.value_dtype)
+        size = max(da.itemsize, db.itemsize, 8)
+        for box in block_boxes(ma.value_shape, size, self.block_bytes):
             xa = self.ra.read_tensor(key, box=box)
             xb = self.rb.read_tensor(key, box=box)
             stats.add(xa, xb, self.atol, self.rtol)
@@ -174,11 +175,18 @@ class _TensorComparer:
             del xa, xb  # before the next blocks are read
             if self.progress is not None:
                 self.progress(self.done, self.total)
-        if ma.dtype == mb.dtype and not stats.beyond_tolerance:
+        if ma.value_dtype == mb.value_dtype and not stats.beyond_tolerance:
             return None
-        kind: TensorDiffKind = "values" if ma.dtype == mb.dtype else "dtype"
+        kind: TensorDiffKind = "values" if ma.value_dtype == mb.value_dtype else "dtype"
         return TensorDiff(
-            key, kind, ma.dtype, mb.dtype, *shapes, stats.max_abs, stats.max_rel, stats.differing
+            key,
+            kind,
+            ma.value_dtype,
+            mb.value_dtype,
+            *shapes,
+            stats.max_abs,
+            stats.max_rel,
+            stats.differing,
         )
 
 

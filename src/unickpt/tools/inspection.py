@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import reprlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -29,12 +29,18 @@ SUMMARY_CHARS = 60
 
 @dataclass(frozen=True)
 class TensorInfo:
+    """A tensor as a reader gets it (dtype, shape) and the bytes it is stored in; a quantized
+    table says its encoding and the error quantization made."""
+
     key: str
     dtype: str
     shape: tuple[int, ...]
     layout: str
     shards: int
     nbytes: int
+    encoding: str | None = None
+    max_abs_error: float | None = None
+    rms_relative_error: float | None = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +137,17 @@ def _files(meta: Metadata) -> tuple[FileInfo, ...]:
 def _tensor(key: str, meta: Metadata) -> TensorInfo:
     t = meta.tensors[key]
     nbytes = Box.whole(t.shape).numel * dtype_from_name(t.dtype).itemsize
-    return TensorInfo(key, t.dtype, tuple(t.shape), t.layout, len(t.chunks), nbytes)
+    info = TensorInfo(key, t.value_dtype, tuple(t.value_shape), t.layout, len(t.chunks), nbytes)
+    e = t.encoding
+    if e is None:
+        return info
+    error = e.error
+    return replace(
+        info,
+        encoding=f"{e.name} {e.bits}-bit",
+        max_abs_error=None if error is None else error.max_abs,
+        rms_relative_error=None if error is None else error.rms_relative,
+    )
 
 
 def _objects(meta: Metadata) -> tuple[ObjectInfo, ...]:

@@ -98,7 +98,9 @@ def export_dcp(
         for name, key in {**selection.tensors, **tied}.items():
             meta = reader.metadata.tensor(key)
             assert meta is not None
-            t = torch.empty(meta.shape, dtype=dtype_from_name(meta.dtype), device="meta")
+            t = torch.empty(
+                meta.value_shape, dtype=dtype_from_name(meta.value_dtype), device="meta"
+            )
             flat[name] = t
             keys[id(t)] = key
         flat.update(values)

@@ -104,12 +104,12 @@ def _entries(
     entries, keys, left_out = [], {}, []
     for name, key in tensors.items():
         meta = reader.metadata.tensors[key]
-        dtype = dtype_from_name(meta.dtype)
+        dtype = dtype_from_name(meta.value_dtype)
         if dtype not in DTYPE_NAMES:
-            left_out.append(f"{key}: dtype {meta.dtype} has no safetensors name")
+            left_out.append(f"{key}: dtype {meta.value_dtype} has no safetensors name")
             continue
-        nbytes = Box.whole(meta.shape).numel * dtype.itemsize
-        entries.append(Entry(name, dtype, tuple(meta.shape), nbytes))
+        nbytes = Box.whole(meta.value_shape).numel * dtype.itemsize
+        entries.append(Entry(name, dtype, tuple(meta.value_shape), nbytes))
         keys[name] = key
     return entries, keys, left_out
 

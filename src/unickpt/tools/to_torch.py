@@ -133,7 +133,7 @@ def _fake_tensors(
         for name, key in tensors.items():
             meta = reader.metadata.tensor(key)
             assert meta is not None
-            t = torch.empty(meta.shape, dtype=dtype_from_name(meta.dtype))
+            t = torch.empty(meta.value_shape, dtype=dtype_from_name(meta.value_dtype))
             out[name] = t
             fills.append(_Fill((name,), key, None, t.numel() * t.element_size()))
     return out

@@ -1,0 +1,113 @@
+"""Read once, share on the host, for files on a local file system: the page cache is the buffer.
+
+The exchange plan says which rank owns (reads and verifies) each unit of a chunk that several
+ranks of one host need parts of. With files the kernel already keeps one copy of every page
+read, shared by all processes of the host, so no buffer of our own and no step-by-step
+hand-over between ranks is needed: an owner reads its unit (whole checksum segments) into a
+small scratch buffer, verifies it and copies its own parts out; every other rank maps the
+unit's byte range and copies its parts straight out of the page cache. Nothing waits for
+another rank, so reading, hashing and copying overlap fully across ranks and threads.
+
+A rank may copy a part before the owner has verified the unit: when the owner finds damage its
+error fails the load on every rank (the caller's step gathers errors), as damage found in a
+rank's own reads does; values already copied are never reported as loaded.
+
+Bytes read: each unit once on the host (the owner's read); a rank that cannot map a unit reads
+its bytes instead (counted). Peak extra memory: ``io_threads`` scratch buffers and mappings of
+at most one unit each.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..config import Config
+from ..format.dtypes import buffer_of
+from ..planning.exchange_plan import ExchangePlan, Unit
+from ..planning.load_plan import ReadItem
+from ..storage.base import Storage
+from .exchange import ExchangeStats, copy_parts
+from .read import ChunkRef, read_chunk_bytes
+
+
+def run_mapped_exchange(
+    rank: int,
+    storage: Storage,
+    plan: ExchangePlan,
+    needed: Sequence[ReadItem],
+    config: Config,
+    verify: bool,
+    segment: int,
+) -> ExchangeStats:
+    """Fill this rank's exchanged items (``needed[i]`` for need ``i``); no collective."""
+    tasks: list[Callable[[], tuple[int, int, int]]] = []
+    scratch = _Scratch()
+    for u in sorted(plan.units, key=lambda u: (u.file, u.chunk.byte_offset + u.lo)):
+        if u.owner == rank:
+            tasks.append(_owned(storage, scratch, u, needed, rank, verify, segment))
+        elif any(p.rank == rank for p in u.parts):
+            tasks.append(_shared(storage, scratch, u, needed, rank))
+    totals = [0, 0, 0]
+    with ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-map") as pool:
+        for counts in pool.map(lambda t: t(), tasks):
+            totals = [a + b for a, b in zip(totals, counts)]
+    return ExchangeStats(totals[0], totals[1], totals[2])
+
+
+class _Scratch(threading.local):
+    """One buffer per thread, grown as needed and reused: fresh pages for every unit would cost
+    a page fault and the kernel's zeroing per 4 KiB."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, size: int) -> torch.Tensor:
+        if self.buffer.numel() < size:
+            self.buffer = torch.empty(size, dtype=torch.uint8)
+        return self.buffer[:size]
+
+
+def _owned(
+    storage: Storage,
+    scratch: _Scratch,
+    u: Unit,
+    needed: Sequence[ReadItem],
+    rank: int,
+    verify: bool,
+    segment: int,
+) -> Callable[[], tuple[int, int, int]]:
+    """Read and verify a unit this rank owns, copy its own parts; (read, placed, 0)."""
+
+    def run() -> tuple[int, int, int]:
+        raw = scratch.take(u.hi - u.lo)
+        read_chunk_bytes(storage, ChunkRef(u.key, u.file, u.chunk), u.lo, raw, verify, segment)
+        return u.hi - u.lo, copy_parts(raw, u, needed, rank), 0
+
+    return run
+
+
+def _shared(
+    storage: Storage, scratch: _Scratch, u: Unit, needed: Sequence[ReadItem], rank: int
+) -> Callable[[], tuple[int, int, int]]:
+    """Copy this rank's parts of a unit another rank owns (and verifies) out of the page cache;
+    (bytes read where it could not be mapped, placed, placed)."""
+
+    def run() -> tuple[int, int, int]:
+        start, size = u.chunk.byte_offset + u.lo, u.hi - u.lo
+        view = storage.map_range(u.file, start, size)
+        read = 0
+        if view is None:
+            raw = scratch.take(size)
+            storage.read_into(u.file, start, buffer_of(raw))
+            read = size
+        else:
+            raw = torch.frombuffer(view, dtype=torch.uint8)
+        placed = copy_parts(raw, u, needed, rank)
+        del raw, view  # unmaps now: at most one unit per thread stays mapped
+        return read, placed, placed
+
+    return run

@@ -1,9 +1,13 @@
 """Simulated planning cost at scale (FSDP x TP layouts), without any process group.
 
-The first save's global plan of every rank's packed local plan, then a resharding restore (the
-same number of ranks, another TP degree): what one loading rank pays to read every chunk index
-(estimated from a sample of index files) and to plan its reads. Times are wall seconds; the
-``_cpu_s`` figures are this process's CPU seconds (meaningful on a loaded machine too).
+The first save's global plan of every rank's packed local plan (and the global metadata with
+its chunk map), then one rank of a resharding restore (the same number of ranks, another TP
+degree) on real files: reading the commit marker and the metadata, reading and decoding the
+index files listing chunks it needs, checking that the chunks tile each tensor, and matching
+its boxes against them. Times are wall seconds; the ``_cpu_s`` figures are this process's CPU
+seconds (``time.process_time``, meaningful on a loaded machine too). The ``without_map``
+figures estimate, from a sample of index files, what a rank pays to decode every index (a
+checkpoint without a chunk map).
 
 python benchmarks/plan_scale.py --ranks 4096 --tensors 2000
 """
@@ -14,7 +18,8 @@ import argparse
 import json
 import sys
 
-from unickpt.planning.simulate import simulate_fsdp_tp
+from unickpt.bench.restore_plan import restore_figures
+from unickpt.planning.simulate import simulate_save
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=8, help="TP degree of the save")
     parser.add_argument("--tp-load", type=int, default=4, help="TP degree of the restore")
     args = parser.parse_args(argv)
-    report = simulate_fsdp_tp(args.ranks, args.tensors, args.tp, args.tp_load)
+    save = simulate_save(args.ranks, args.tensors, args.tp)
+    report = {**save.report, **restore_figures(save, args.tp_load)}
     print(json.dumps(report, indent=2, default=str))
     return 0
 

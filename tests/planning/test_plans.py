@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from unickpt import CheckpointMismatchError
+from unickpt.bench.restore_plan import restore_figures
 from unickpt.format.metadata import ChunkMeta, TensorMeta
 from unickpt.layouts.boxes import Box
 from unickpt.planning.load_plan import ChunkIndex, plan_reads
 from unickpt.planning.save_plan import LocalPlan, TensorDecl, build_global_plan, rank_loads
-from unickpt.planning.simulate import simulate_fsdp_tp
+from unickpt.planning.simulate import simulate_save
 
 
 def _plan(tensors: dict[str, TensorDecl]) -> LocalPlan:
@@ -130,13 +131,17 @@ def test_index_looks_only_at_overlapping_chunks() -> None:
 
 
 def test_simulation_reports_costs() -> None:
-    report = simulate_fsdp_tp(ranks=64, tensors=40, tp=8, tp_load=4)
+    save = simulate_save(ranks=64, tensors=40, tp=8)
+    report = save.report
     assert report["chunks"] == 64 * 40
     assert report["cached_save_exchange_bytes_per_rank"] == 32
     assert report["global_metadata_bytes"] < report["index_bytes_total_est"]
     # The last of 64 loading ranks (16 x TP 4) holds the last 1/16 of the rows (within the
-    # last of 8 saved row blocks) and the last quarter of the columns (2 of 8 saved blocks).
-    assert report["load_reads_per_rank"] == 40 * 2
+    # last of 8 saved row blocks) and the last quarter of the columns (2 of 8 saved blocks):
+    # it reads the indexes of those 2 saving ranks only.
+    restore = restore_figures(save, 4)
+    assert restore["restore_reads_per_rank"] == 40 * 2
+    assert restore["restore_index_files_read"] == 2
 
 
 def test_replica_groups_each_write_a_share() -> None:

@@ -54,7 +54,23 @@ def read_commit(storage: Storage) -> CommitRecord | None:
 
 
 def read_checkpoint(storage: Storage) -> tuple[CommitRecord, Metadata]:
-    """The commit marker and metadata of a committed checkpoint, both checked."""
+    """The commit marker and metadata of a committed checkpoint, both checked, with every
+    tensor's chunks from every index."""
+    record, meta = read_metadata(storage)
+    files = FileTable(meta.files)
+    with ThreadPoolExecutor(8, thread_name_prefix="unickpt-index") as pool:
+        indexes = list(
+            pool.map(
+                lambda i: _read_index(storage, meta.file_refs[i], i, files),
+                range(len(meta.files)),
+            )
+        )
+    return record, replace(assemble(meta, indexes), files=files.names())
+
+
+def read_metadata(storage: Storage) -> tuple[CommitRecord, Metadata]:
+    """The commit marker and metadata of a committed checkpoint, both checked; tensors without
+    chunks (:func:`read_checkpoint` adds every chunk, :mod:`.indexes` those a load needs)."""
     record = read_commit(storage)
     if record is None:
         raise CheckpointNotFoundError(_not_found_message(storage))
@@ -76,20 +92,19 @@ def read_checkpoint(storage: Storage) -> tuple[CommitRecord, Metadata]:
     for ref in meta.file_refs:
         check_name(ref.data)
         check_name(ref.index)
-    files = FileTable(meta.files)
-    with ThreadPoolExecutor(8, thread_name_prefix="unickpt-index") as pool:
-        indexes = list(
-            pool.map(
-                lambda i: _read_index(storage, meta.file_refs[i], i, files),
-                range(len(meta.files)),
-            )
-        )
-    return record, replace(assemble(meta, indexes), files=files.names())
+    return record, meta
 
 
 def _read_index(
     storage: Storage, ref: FileRef, file: int, files: FileTable
 ) -> list[tuple[str, ChunkMeta]]:
+    raw = read_index_bytes(storage, ref)
+    return decode_index(raw, f"{storage.location}/{ref.index}", file, files)
+
+
+def read_index_bytes(storage: Storage, ref: FileRef) -> bytes:
+    """The bytes of ``ref``'s index file, checked against the size and checksum the metadata
+    gives."""
     where = f"{storage.location}/{ref.index}"
     raw = storage.read_bytes(ref.index)
     if raw is None:
@@ -104,7 +119,7 @@ def _read_index(
             f"{ref.index_nbytes} bytes with checksum {ref.index_checksum}; the index is damaged. "
             "Load an earlier checkpoint."
         )
-    return decode_index(raw, where, file, files)
+    return raw
 
 
 def _not_found_message(storage: Storage) -> str:

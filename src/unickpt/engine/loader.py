@@ -15,6 +15,7 @@ from ..encoding.reading import DecodeItem, plan_encoded_reads
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsafeObjectError
 from ..format.metadata import Metadata
 from ..format.values import decode_value
+from ..layouts.boxes import Box
 from ..planning.exchange_plan import RankNeeds, plan_exchange
 from ..planning.flatten import Flattened, flatten_state
 from ..planning.load_keys import (
@@ -24,10 +25,11 @@ from ..planning.load_keys import (
     not_loaded_warning,
     unread_message,
 )
-from ..planning.load_plan import ReadItem, check_chunks_tile, plan_reads
+from ..planning.load_plan import ChunkIndex, ReadItem, check_chunks_tile, plan_reads
 from ..storage.base import Storage
-from .commit import read_checkpoint
+from .commit import read_metadata
 from .exchange import ExchangeStats, rank_needs, run_exchange
+from .indexes import SavedChunks
 from .mapped import run_mapped_exchange
 from .read import aligned_piece_bytes, execute_reads
 
@@ -58,6 +60,7 @@ class _Plan:
     flat: Flattened
     match: KeyMatch
     saved: SavedKeys
+    chunks: SavedChunks | None = None
     reads: list[ReadItem] = field(default_factory=list)
     unread: list[str] = field(default_factory=list)
     needed: list[ReadItem] = field(default_factory=list)
@@ -76,7 +79,7 @@ def load(
     then read and place. Each step raises the same error on every rank when any rank fails."""
 
     def match() -> tuple[_Plan, None]:
-        _, meta = read_checkpoint(storage)
+        _, meta = read_metadata(storage)
         if meta.pickled_keys and not allow_pickle:
             raise UnsafeObjectError(
                 f"{storage.location} holds pickled objects ({', '.join(meta.pickled_keys[:5])}); "
@@ -86,7 +89,7 @@ def load(
         flat = flatten_state(state, for_load=True)
         found = match_keys(meta, flat, strict)
         _check_per_rank(meta, flat, comm)
-        return _Plan(meta, flat, found, SavedKeys.of(meta)), None
+        return _Plan(meta, flat, found, SavedKeys.of(meta), SavedChunks(storage, meta)), None
 
     plan, _ = run_step(comm, "planning the load", match)
     asked = comm.max_across(plan.saved.asked(plan.flat, plan.match))
@@ -100,7 +103,9 @@ def load(
             warning = not_loaded_warning(plan.meta, plan.unread, plan.match, comm.world_size)
             if warning is not None:
                 warnings.warn(warning, stacklevel=5)
-        plan.reads = _plan_all_reads(plan)
+        assert plan.chunks is not None
+        plan.meta = plan.chunks.load(_wanted(plan))
+        plan.reads = _plan_all_reads(plan, checked=True)
         _check_files(storage, plan.meta, plan.reads)
         needs: RankNeeds | None = None
         if comm.world_size > 1 and config.share_reads:
@@ -157,6 +162,12 @@ def _exchange(
     none = _Shared(ExchangeStats(0, 0, 0), plan.reads)
     if not any(o is not None and o.needs for o in offers):
         return none
+    if plan.chunks is not None:  # the chunks other ranks of the host need parts of
+        asked: dict[str, list[Box]] = {}
+        for offer in offers:
+            for need in offer.needs if offer is not None else ():
+                asked.setdefault(need.key, []).append(need.region)
+        plan.meta = plan.chunks.load(asked)
     seg = plan.meta.segment_bytes
     # Mapped units need no buffer of their own beyond one scratch per thread: larger units,
     # fewer to plan. Shared-memory units are double-buffered per owner: smaller.
@@ -209,10 +220,24 @@ def _span(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
-def _plan_all_reads(plan: _Plan) -> list[ReadItem]:
+def _wanted(plan: _Plan) -> dict[str, list[Box]]:
+    """The boxes of each saved tensor this rank reads (none where the state matched the key
+    but a different shape skips it: its chunks are still checked)."""
+    skipped = set(plan.match.differ)
+    wanted: dict[str, list[Box]] = {}
+    for key, leaf in plan.flat.tensors.items():
+        stored = plan.match.resolved.get(key)
+        if stored is not None:
+            boxes = wanted.setdefault(stored, [])
+            if key not in skipped:
+                boxes.extend(box for box, _ in leaf.pieces)
+    return wanted
+
+
+def _plan_all_reads(plan: _Plan, checked: bool = False) -> list[ReadItem]:
     """Read items of every tensor this rank loads. The saved chunks of every tensor the state
     matched must tile it, also where a different shape skips the tensor (strict=False): a
-    forged or damaged shape is then reported as such."""
+    forged or damaged shape is then reported as such (``checked``: they were, when read)."""
     meta, skipped = plan.meta, set(plan.match.differ)
     reads: list[ReadItem] = []
     for key, leaf in plan.flat.tensors.items():
@@ -220,7 +245,7 @@ def _plan_all_reads(plan: _Plan) -> list[ReadItem]:
         if stored is None:
             continue
         saved = meta.tensors[stored]
-        index = check_chunks_tile(stored, saved)
+        index = ChunkIndex(saved.chunks) if checked else check_chunks_tile(stored, saved)
         if key in skipped or not leaf.pieces:
             continue
         if saved.encoding is None:

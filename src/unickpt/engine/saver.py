@@ -13,10 +13,12 @@ import logging
 import math
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._version import __version__
@@ -31,6 +33,7 @@ from ..encoding.saving import (
     written_errors,
 )
 from ..errors import CheckpointExistsError
+from ..format.chunk_map import ChunkMap, build_chunk_map
 from ..format.codec import encode_index
 from ..format.dtypes import dtype_name
 from ..format.metadata import (
@@ -374,7 +377,32 @@ def _metadata(
         pickled_keys=tuple(sorted(pickled)),
         file_refs=refs,
         references=referenced,
+        chunk_map=_chunk_map(prep.plan, [g[1] is not None for g in gathered]),
     )
+
+
+def _chunk_map(plan: GlobalPlan, has_file: list[bool]) -> ChunkMap | None:
+    """Where each box of the plan is listed: the file of the rank that writes it (ranks
+    without a file are left out of the metadata's files). Kept with the plan, which later
+    saves of the same structure reuse."""
+    kept = _MAPS.get(plan)
+    if kept is not None and kept[0] == tuple(has_file):
+        return kept[1]
+    position = np.cumsum(has_file) - 1
+    writers = plan.box_writers
+    found = None
+    if not len(writers) or all(has_file[w] for w in np.unique(writers).tolist()):
+        ndims = {k: len(shape) for k, (_, shape, _) in plan.tensors.items()}
+        found = build_chunk_map(
+            ndims, plan.names, plan.box_keys, plan.box_coords, position[writers]
+        )
+    _MAPS[plan] = (tuple(has_file), found)
+    return found
+
+
+_MAPS: weakref.WeakKeyDictionary[GlobalPlan, tuple[tuple[bool, ...], ChunkMap | None]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def expected_segments(nbytes: int, segment: int) -> int:

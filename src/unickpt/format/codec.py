@@ -6,12 +6,16 @@ raises :class:`CheckpointVersionError`.
 
 from __future__ import annotations
 
+import binascii
 import json
+import logging
+import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointVersionError
+from .chunk_map import ChunkMap, decode_chunk_map, encode_chunk_map
 from .dtypes import dtype_from_name, itemsize
 from .metadata import (
     FORMAT_NAME,
@@ -27,6 +31,7 @@ from .metadata import (
 from .references import FileLocation, FileTable
 
 INDEX_FORMAT = "unickpt-index"
+log = logging.getLogger(__name__)
 ENCODINGS = ("rowwise-affine",)
 _ERROR = ("max_abs", "rms", "rms_relative")
 
@@ -59,13 +64,15 @@ def encode_metadata(meta: Metadata) -> bytes:
     }
     if meta.references:
         doc["references"] = list(meta.references)
+    if meta.chunk_map is not None:
+        doc["chunk_map"] = encode_chunk_map(meta.chunk_map)
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
 def decode_metadata(raw: bytes, source: str) -> Metadata:
     """The global metadata; tensors have no chunks until :func:`assemble` adds them."""
-    doc = _load_json(raw, source)
-    _check_header(doc, source, FORMAT_NAME)
+    doc = load_json(raw, source)
+    check_header(doc, source, FORMAT_NAME)
     try:
         refs = tuple(
             FileRef(
@@ -96,12 +103,36 @@ def decode_metadata(raw: bytes, source: str) -> Metadata:
             file_refs=refs,
             aliases=_aliases(doc.get("aliases", {}), tensors),
             references=tuple(str(s) for s in doc.get("references", [])),
+            chunk_map=_chunk_map(doc.get("chunk_map"), len(refs), tensors),
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, zlib.error, binascii.Error) as e:
         raise CheckpointCorruptError(
             f"{source}: the metadata is not well formed ({type(e).__name__}: {e}); the "
             "checkpoint is damaged. Load an earlier checkpoint."
         ) from e
+
+
+def _chunk_map(doc: Any, files: int, tensors: dict[str, TensorMeta]) -> ChunkMap | None:
+    """The metadata's chunk map; None where it has none, or where its files or tensors are not
+    those of the metadata (readers then read every index, which says what is damaged)."""
+    if doc is None:
+        return None
+    found = decode_chunk_map(doc)
+    fits = (
+        found.tensors.keys() == tensors.keys()
+        and all(
+            (lay := found.layout(k)) is not None and lay.ndim == len(t.shape)
+            for k, t in tensors.items()
+        )
+        and all(
+            not len(lay.files) or 0 <= lay.files.min() <= lay.files.max() < files
+            for lay in found.layouts
+        )
+    )
+    if not fits:
+        log.warning("the chunk map does not describe the metadata's tensors and files; ignored")
+        return None
+    return found
 
 
 def _aliases(doc: Any, tensors: dict[str, TensorMeta]) -> dict[str, str]:
@@ -236,7 +267,7 @@ def _row_runs(key: str, pieces: Sequence[ChunkMeta]) -> list[Any] | None:
     ]
 
 
-def _decode_runs(
+def decode_runs(
     row: list[Any], file: int, refs: list[FileLocation], files: FileTable | None
 ) -> list[tuple[str, ChunkMeta]]:
     key, offsets, lengths, row_bytes, rows, numbers, byte_offsets, checksums = row
@@ -273,8 +304,8 @@ def decode_index(
 ) -> list[tuple[str, ChunkMeta]]:
     """The chunks of an index; chunks in this index's data file get number ``file``, chunks
     that refer to an earlier checkpoint's file get the number ``files`` gives it."""
-    doc = _load_json(raw, source)
-    _check_header(doc, source, INDEX_FORMAT)
+    doc = load_json(raw, source)
+    check_header(doc, source, INDEX_FORMAT)
     try:
         refs = [FileLocation(str(step), str(data)) for step, data in doc.get("refs", [])]
         out = []
@@ -294,7 +325,7 @@ def decode_index(
                 raise ValueError(f"chunk of '{key}' has {len(chunk.offsets)} offsets")
             out.append((str(key), chunk))
         for row in doc.get("runs", []):
-            out.extend(_decode_runs(row, file, refs, files))
+            out.extend(decode_runs(row, file, refs, files))
         return out
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         raise CheckpointCorruptError(
@@ -357,8 +388,8 @@ def encode_commit(record: CommitRecord) -> bytes:
 
 
 def decode_commit(raw: bytes, source: str) -> CommitRecord:
-    doc = _load_json(raw, source)
-    _check_header(doc, source, FORMAT_NAME)
+    doc = load_json(raw, source)
+    check_header(doc, source, FORMAT_NAME)
     try:
         return CommitRecord(
             metadata_file=str(doc["metadata_file"]),
@@ -373,7 +404,7 @@ def decode_commit(raw: bytes, source: str) -> CommitRecord:
         ) from e
 
 
-def _load_json(raw: bytes, source: str) -> dict[str, Any]:
+def load_json(raw: bytes, source: str) -> dict[str, Any]:
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -386,7 +417,7 @@ def _load_json(raw: bytes, source: str) -> dict[str, Any]:
     return doc
 
 
-def _check_header(doc: dict[str, Any], source: str, name: str) -> None:
+def check_header(doc: dict[str, Any], source: str, name: str) -> None:
     if doc.get("format") != name:
         raise CheckpointCorruptError(
             f"{source}: format is {doc.get('format')!r}, expected {name!r}; this is not "

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..layouts.boxes import Box
+from .chunk_map import ChunkMap
 
 FORMAT_NAME = "unickpt"
 FORMAT_VERSION = 2
@@ -131,6 +132,9 @@ class Metadata:
     """Step folders (beside this checkpoint's) whose data files hold some of its chunks; the
     chunks that lie there name those files in ``files`` as ``../<step folder>/<data file>``
     (see :mod:`unickpt.format.references`). Empty for a self-contained checkpoint."""
+    chunk_map: ChunkMap | None = None
+    """Every tensor's chunk boxes and the file whose index lists each (None where the
+    checkpoint has no map): a reader of part of the checkpoint reads only the indexes it needs."""
 
     @property
     def total_bytes(self) -> int:

@@ -109,20 +109,30 @@ def check_chunks_tile(key: str, meta: TensorMeta) -> ChunkIndex:
     index of the chunks, built for the check, for matching."""
     index = ChunkIndex(meta.chunks)
     shape = meta.shape
-    rows = index.coords if index.ndim == len(shape) else None
-    fault = None
-    if rows is None or not len(rows):
+    rows = index.coords if index.ndim == len(shape) and len(meta.chunks) else None
+    if rows is None:
         fault = tiling_fault(shape, [c.box for c in meta.chunks])
     else:
-        pattern = pattern_of(shape, rows)
-        fault = pattern.fault
-        twice = pattern.first[pattern.counts > 1]  # a chunk listed twice (not an empty one)
-        twice = twice[(rows[twice, len(shape) :] > 0).all(axis=1)]
-        if len(twice):
-            fault = TilingFault("overlap", meta.chunks[int(twice[0])].box)
+        fault = rows_fault(shape, rows)
     if fault is not None:
-        raise CheckpointCorruptError(
-            f"the saved chunks of '{key}' (global shape {list(meta.shape)}) do not tile it: "
-            f"{fault.describe()}; the metadata is damaged. Load an earlier checkpoint."
-        )
+        raise not_tiled(key, shape, fault)
     return index
+
+
+def rows_fault(shape: tuple[int, ...], rows: np.ndarray) -> TilingFault | None:
+    """Why chunks given as coordinate rows (offsets, then lengths, as many as ``shape`` has
+    dimensions; at least one row) do not tile a tensor of ``shape``, or None."""
+    pattern = pattern_of(shape, rows)
+    twice = pattern.first[pattern.counts > 1]  # a chunk listed twice (not an empty one)
+    twice = twice[(rows[twice, len(shape) :] > 0).all(axis=1)]
+    if len(twice):
+        row = rows[int(twice[0])].tolist()
+        return TilingFault("overlap", Box(tuple(row[: len(shape)]), tuple(row[len(shape) :])))
+    return pattern.fault
+
+
+def not_tiled(key: str, shape: tuple[int, ...], fault: TilingFault) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"the saved chunks of '{key}' (global shape {list(shape)}) do not tile it: "
+        f"{fault.describe()}; the metadata is damaged. Load an earlier checkpoint."
+    )

@@ -2,9 +2,8 @@
 
 Every rank's packed local plan is built as that rank would (TP splits the columns of each
 matrix, FSDP splits its rows), then the global plan and the metadata are built exactly as a
-save does; then a restore on as many ranks with another TP degree: one loading rank's cost of
-reading the chunk indexes (from a sample of index files) and of planning its reads, as a load
-does. Reports the time of each step and the metadata size.
+save does (the chunk map included). Reports the time of each step and the metadata size; the
+restore side is :mod:`unickpt.bench.restore_plan` (it reads files, which planning does not).
 
 >>> simulate_fsdp_tp(ranks=64, tensors=20)["chunks"]
 1280
@@ -13,24 +12,21 @@ does. Reports the time of each step and the metadata size.
 from __future__ import annotations
 
 import json
-import math
 import pickle
 import time
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
-from ..format.codec import assemble, decode_index, encode_index, encode_metadata
+from ..format.chunk_map import build_chunk_map
+from ..format.codec import encode_index, encode_metadata
 from ..format.metadata import ChunkMeta, FileRef, Metadata, TensorMeta
-from ..layouts.boxes import Box
-from .load_plan import check_chunks_tile, plan_reads
 from .packed import PackedPlan, encode_rest
 from .save_plan import GlobalPlan, build_global_plan
 
 
-def _split(n: np.ndarray, parts: int, i: int) -> tuple[np.ndarray, np.ndarray]:
+def split(n: np.ndarray, parts: int, i: int) -> tuple[np.ndarray, np.ndarray]:
     """Offsets and lengths of part ``i`` of each ``n`` split like torch.chunk (uneven last)."""
     step = -(-n // parts)
     lo = np.minimum(n, i * step)
@@ -41,18 +37,31 @@ def _local_plan(rank: int, ranks: int, tp: int, table: bytes, shapes: np.ndarray
     """What ``rank`` sends, packed as a real rank packs it: one box per tensor it holds."""
     dp = ranks // tp
     d, t = divmod(rank, tp)
-    r0, rn = _split(shapes[:, 0], dp, d)
-    c0, cn = _split(shapes[:, 1], tp, t)
+    r0, rn = split(shapes[:, 0], dp, d)
+    c0, cn = split(shapes[:, 1], tp, t)
     held = (rn > 0) & (cn > 0)
     coords = np.stack([r0, c0, rn, cn], axis=1)[held]
     return PackedPlan(table, held.astype(np.int64), coords, encode_rest((), (), {}))
 
 
-def simulate_fsdp_tp(
-    ranks: int = 4096, tensors: int = 2000, tp: int = 8, tp_load: int = 4
-) -> dict[str, Any]:
-    """Plan a save of ``tensors`` matrices on ``ranks`` ranks (FSDP x TP ``tp``), then a load
-    of it on as many ranks with TP ``tp_load``; report the costs."""
+@dataclass(frozen=True)
+class SimulatedSave:
+    """A simulated first save: its figures, the global plan, the metadata (index files of the
+    ``indexes`` ranks encoded; the other ranks' index sizes and checksums are stand-ins)."""
+
+    report: dict[str, Any]
+    plan: GlobalPlan
+    meta: Metadata
+    indexes: dict[int, bytes]
+
+
+def simulate_fsdp_tp(ranks: int = 4096, tensors: int = 2000, tp: int = 8) -> dict[str, Any]:
+    """The figures of :func:`simulate_save`."""
+    return simulate_save(ranks, tensors, tp).report
+
+
+def simulate_save(ranks: int = 4096, tensors: int = 2000, tp: int = 8) -> SimulatedSave:
+    """Plan a save of ``tensors`` matrices on ``ranks`` ranks (FSDP x TP ``tp``)."""
     shapes = np.array([(4096 + 512 * (i % 3), 4096) for i in range(tensors)], dtype=np.int64)
     table = json.dumps(
         [
@@ -75,13 +84,15 @@ def simulate_fsdp_tp(
     indexes: dict[int, bytes] = {}
     clock.lap()
     for rank in sample:
-        indexes[rank] = _index(plan, rank)
+        indexes[rank] = encode_rank_index(plan, rank)
     index_s = clock.lap() / len(sample)
     refs = [
         FileRef(f"data-0-{r:05d}.bin", plan.file_bytes(r), "i", len(indexes.get(r, b"")), "0")
         for r in range(ranks)
     ]
     clock.lap()
+    ndims = {k: len(shape) for k, (_, shape, _) in plan.tensors.items()}
+    chunk_map = build_chunk_map(ndims, plan.names, plan.box_keys, plan.box_coords, plan.box_writers)
     meta = Metadata(
         world_size=ranks,
         files=tuple(r.data for r in refs),
@@ -90,6 +101,7 @@ def simulate_fsdp_tp(
         per_rank={},
         segment_bytes=1 << 20,
         file_refs=tuple(refs),
+        chunk_map=chunk_map,
     )
     raw = encode_metadata(meta)
     metadata_s = clock.lap()
@@ -110,8 +122,7 @@ def simulate_fsdp_tp(
         "index_bytes_per_rank_max": max(index_sizes),
         "index_bytes_total_est": round(sum(index_sizes) * ranks / len(index_sizes)),
     }
-    report.update(_load(plan, meta, indexes, tp_load))
-    return report
+    return SimulatedSave(report, plan, meta, indexes)
 
 
 _SAMPLE = 16
@@ -135,63 +146,12 @@ class _Clock:
         return self.last_cpu
 
 
-def _index(plan: GlobalPlan, rank: int) -> bytes:
+def encode_rank_index(plan: GlobalPlan, rank: int) -> bytes:
     entries = [
         (i.key, ChunkMeta(i.box.offsets, i.box.lengths, 0, i.byte_offset, i.nbytes, _sums(i)))
         for i in plan.writes(rank)
     ]
     return encode_index(f"data-0-{rank:05d}.bin", entries)
-
-
-def _load(plan: GlobalPlan, meta: Metadata, indexes: dict[int, bytes], tp: int) -> dict[str, Any]:
-    """A resharding restore on as many ranks, TP ``tp``: what one rank pays to learn where the
-    saved chunks are (reading every index; estimated from the sampled files) and to plan its
-    reads (measured: every tensor's chunks checked to tile it, indexed, matched)."""
-    clock = _Clock()
-    decoded = [decode_index(raw, "index", rank) for rank, raw in indexes.items()]
-    assemble(meta, decoded)
-    read_s = clock.lap() * plan.world_size / len(indexes)
-    read_cpu_s = clock.cpu() * plan.world_size / len(indexes)
-    saved = _assembled(plan, meta)
-    clock.lap()
-    dp = plan.world_size // tp
-    d, t = divmod(plan.world_size - 1, tp)
-    reads = 0
-    for key, tensor in saved.tensors.items():
-        index = check_chunks_tile(key, tensor)
-        rows, cols = tensor.shape
-        r0, rn = (int(x) for x in _split(np.array(rows), dp, d))
-        c0, cn = (int(x) for x in _split(np.array(cols), tp, t))
-        if not rn or not cn:
-            continue
-        dest = torch.empty((rn, cn), device="meta")
-        pieces = [(Box((r0, c0), (rn, cn)), dest)]
-        reads += len(plan_reads(key, tensor, saved.files, pieces, index))
-    plan_s = clock.lap()
-    return {
-        "load_tp": tp,
-        "load_read_indexes_s_est": round(read_s, 3),
-        "load_read_indexes_cpu_s_est": round(read_cpu_s, 3),
-        "load_plan_s": round(plan_s, 3),
-        "load_plan_cpu_s": round(clock.cpu(), 3),
-        "load_reads_per_rank": reads,
-    }
-
-
-def _assembled(plan: GlobalPlan, meta: Metadata) -> Metadata:
-    """The metadata as a loading rank holds it after reading every index (byte offsets and
-    checksums stand-ins: planning does not look at them)."""
-    chunks: dict[str, list[ChunkMeta]] = {k: [] for k in plan.tensors}
-    dims = plan.box_coords.shape[1] // 2
-    for k, row, writer in zip(
-        plan.box_keys.tolist(), plan.box_coords.tolist(), plan.box_writers.tolist()
-    ):
-        name = plan.names[k]
-        lengths = tuple(row[dims:])
-        nbytes = math.prod(lengths) * plan.itemsizes[name]
-        chunks[name].append(ChunkMeta(tuple(row[:dims]), lengths, writer, 0, nbytes))
-    tensors = {k: replace(t, chunks=tuple(chunks[k])) for k, t in meta.tensors.items()}
-    return replace(meta, tensors=tensors)
 
 
 def _sums(item: Any) -> tuple[str, ...]:

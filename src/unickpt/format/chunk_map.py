@@ -1,0 +1,144 @@
+"""The chunk map: where the chunks of every tensor are listed, without their byte offsets.
+
+A reader that loads part of a checkpoint (one rank of many, a resharded load) needs the chunks
+that overlap what it loads. They are listed in the index files of the ranks that wrote them;
+without a map, every reader reads every index (thousands of files at thousands of ranks). The
+map, in the global metadata (optional, format version 2), gives each tensor's chunk boxes and
+the file whose index lists each; the reader finds the overlapping boxes on arrays and reads
+only those indexes.
+
+Tensors split alike (every layer's ``w1``) share one *layout*: one array of box coordinates and
+one of file positions. On disk a layout is little-endian int64 rows (offsets, then lengths),
+differences between consecutive rows, compressed with zlib and written as base64.
+"""
+
+from __future__ import annotations
+
+import base64
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkLayout:
+    """Boxes of a tensor of ``ndim`` dimensions: ``coords`` (one int64 row per box: offsets,
+    then lengths) and ``files`` (the position in ``Metadata.file_refs`` of the file whose
+    index lists the box)."""
+
+    ndim: int
+    coords: np.ndarray
+    files: np.ndarray
+
+    def overlapping(self, offsets: Sequence[int], lengths: Sequence[int]) -> np.ndarray:
+        """A mask of the boxes that share an element with the box ``offsets``/``lengths``."""
+        if not self.ndim:
+            return np.ones(len(self.coords), dtype=bool)
+        lo, n = self.coords[:, : self.ndim], self.coords[:, self.ndim :]
+        want_lo = np.asarray(offsets, dtype=np.int64)
+        want_hi = want_lo + np.asarray(lengths, dtype=np.int64)
+        if (want_hi <= want_lo).any():
+            return np.zeros(len(self.coords), dtype=bool)
+        return ((lo < want_hi) & (lo + n > want_lo) & (n > 0)).all(axis=1)
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkMap:
+    """Each tensor's layout (a position in ``layouts``)."""
+
+    tensors: dict[str, int]
+    layouts: tuple[ChunkLayout, ...]
+
+    def layout(self, key: str) -> ChunkLayout | None:
+        found = self.tensors.get(key)
+        return None if found is None else self.layouts[found]
+
+
+def build_chunk_map(
+    ndims: Mapping[str, int],
+    keys: Sequence[str],
+    box_keys: np.ndarray,
+    box_coords: np.ndarray,
+    box_files: np.ndarray,
+) -> ChunkMap:
+    """The map of boxes given as arrays: ``box_keys`` (positions in ``keys``), ``box_coords``
+    (offsets then lengths, padded to the widest tensor: see :mod:`unickpt.planning.packed`)
+    and ``box_files``. Equal layouts are kept once."""
+    if not bool((np.diff(box_keys) >= 0).all()):  # tensor-major already, as plans are
+        order = np.argsort(box_keys, kind="stable")
+        box_keys, box_coords, box_files = box_keys[order], box_coords[order], box_files[order]
+    ends = np.searchsorted(box_keys, np.arange(len(keys) + 1)).tolist()
+    dims = box_coords.shape[1] // 2 if box_coords.ndim == 2 else 0
+    coords = np.ascontiguousarray(box_coords)  # int32 where the plan packed it so
+    files = np.ascontiguousarray(box_files)
+    seen: dict[tuple[int, bytes, bytes], list[int]] = {}
+    layouts: list[ChunkLayout] = []
+    tensors: dict[str, int] = {}
+    for k, key in enumerate(keys):
+        ndim = ndims[key]
+        rows = coords[ends[k] : ends[k + 1]]
+        if ndim != dims:
+            rows = np.concatenate([rows[:, :ndim], rows[:, dims : dims + ndim]], axis=1)
+        where = files[ends[k] : ends[k + 1]]
+        name = (ndim, xxhash.xxh3_128_digest(rows.data), xxhash.xxh3_128_digest(where.data))
+        same = seen.setdefault(name, [])
+        found = next((i for i in same if _equal(layouts[i], rows, where)), None)
+        if found is None:
+            found = len(layouts)
+            same.append(found)
+            layouts.append(ChunkLayout(ndim, rows.astype(np.int64), where.astype(np.int64)))
+        tensors[key] = found
+    return ChunkMap(tensors, tuple(layouts))
+
+
+def _equal(layout: ChunkLayout, coords: np.ndarray, files: np.ndarray) -> bool:
+    return np.array_equal(layout.coords, coords) and np.array_equal(layout.files, files)
+
+
+def encode_chunk_map(chunk_map: ChunkMap) -> dict[str, Any]:
+    """The map as it is stored in the global metadata's ``chunk_map``."""
+    return {
+        "layouts": [
+            {
+                "ndim": lay.ndim,
+                "rows": len(lay.files),
+                "coords": _pack(lay.coords),
+                "files": _pack(lay.files.reshape(-1, 1)),
+            }
+            for lay in chunk_map.layouts
+        ],
+        "tensors": dict(chunk_map.tensors),
+    }
+
+
+def decode_chunk_map(doc: Any) -> ChunkMap:
+    """The map of a metadata's ``chunk_map``; raises ValueError where it is malformed."""
+    layouts = []
+    for lay in doc["layouts"]:
+        ndim, rows = int(lay["ndim"]), int(lay["rows"])
+        if ndim < 0 or rows < 0:
+            raise ValueError(f"a chunk map layout has {ndim} dimensions and {rows} rows")
+        coords = _unpack(str(lay["coords"]), rows, 2 * ndim)
+        where = _unpack(str(lay["files"]), rows, 1).reshape(-1)
+        layouts.append(ChunkLayout(ndim, coords, where))
+    tensors = {str(k): int(v) for k, v in dict(doc["tensors"]).items()}
+    if any(not 0 <= v < len(layouts) for v in tensors.values()):
+        raise ValueError(f"a chunk map names a layout outside its {len(layouts)} layouts")
+    return ChunkMap(tensors, tuple(layouts))
+
+
+def _pack(rows: np.ndarray) -> str:
+    deltas = np.diff(rows.astype("<i8"), axis=0, prepend=np.zeros((1, rows.shape[1]), "<i8"))
+    return base64.b64encode(zlib.compress(deltas.astype("<i8").tobytes(), 6)).decode("ascii")
+
+
+def _unpack(text: str, rows: int, width: int) -> np.ndarray:
+    raw = zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
+    if len(raw) != rows * width * 8:
+        raise ValueError(f"a chunk map layout holds {len(raw)} bytes, expected {rows}x{width}")
+    deltas = np.frombuffer(raw, dtype="<i8").reshape(rows, width)
+    return np.cumsum(deltas, axis=0, dtype=np.int64)

@@ -16,7 +16,7 @@ from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsafeObje
 from ..format.metadata import Metadata
 from ..format.values import decode_value
 from ..layouts.boxes import Box
-from ..planning.exchange_plan import RankNeeds, plan_exchange
+from ..planning.exchange_plan import ExchangePlan, RankNeeds, plan_exchange
 from ..planning.flatten import Flattened, flatten_state
 from ..planning.load_keys import (
     KeyMatch,
@@ -65,6 +65,7 @@ class _Plan:
     unread: list[str] = field(default_factory=list)
     needed: list[ReadItem] = field(default_factory=list)
     decodes: list[DecodeItem] = field(default_factory=list)
+    sharing: ExchangePlan | None = None
 
 
 def load(
@@ -115,10 +116,17 @@ def load(
         return None, needs
 
     _, offers = run_step(comm, "planning the load", prepare)
+    if any(o is not None and o.needs for o in offers):  # the same on every rank
+
+        def share() -> tuple[None, None]:
+            plan.sharing = _plan_sharing(storage, plan, offers, config)
+            return None, None
+
+        run_step(comm, "planning the load", share)
 
     def place() -> tuple[LoadReport | None, None]:
         with torch.no_grad():
-            shared = _exchange(comm, storage, plan, offers, config)
+            shared = _exchange(comm, storage, plan, config)
             if shared is None:
                 return None, None  # another rank failed; the step raises its error
             stats = execute_reads(
@@ -151,32 +159,38 @@ class _Shared:
     local: list[ReadItem]
 
 
-def _exchange(
-    comm: Comm,
-    storage: Storage,
-    plan: _Plan,
-    offers: list[RankNeeds | None],
-    config: Config,
-) -> _Shared | None:
-    """Read the chunks that ranks of one host share once, and return what is left to read."""
-    none = _Shared(ExchangeStats(0, 0, 0), plan.reads)
-    if not any(o is not None and o.needs for o in offers):
-        return none
-    if plan.chunks is not None:  # the chunks other ranks of the host need parts of
+def _unit_bytes(storage: Storage, config: Config, segment: int) -> int:
+    """Mapped units need no buffer of their own beyond one scratch per thread: larger units,
+    fewer to plan. Shared-memory units are double-buffered per owner: smaller."""
+    share = 4 if storage.maps_files else 16
+    return aligned_piece_bytes(config.read_piece_bytes // share, segment)
+
+
+def _plan_sharing(
+    storage: Storage, plan: _Plan, offers: list[RankNeeds | None], config: Config
+) -> ExchangePlan:
+    """The exchange plan of every host group, from every rank's needs (the same on every rank).
+    The chunks other ranks need parts of are read from their indexes first: a step of its own,
+    so that a rank failing to read them fails before any rank enters the exchange."""
+    if plan.chunks is not None:
         asked: dict[str, list[Box]] = {}
         for offer in offers:
             for need in offer.needs if offer is not None else ():
                 asked.setdefault(need.key, []).append(need.region)
         plan.meta = plan.chunks.load(asked)
     seg = plan.meta.segment_bytes
-    # Mapped units need no buffer of their own beyond one scratch per thread: larger units,
-    # fewer to plan. Shared-memory units are double-buffered per owner: smaller.
-    unit = aligned_piece_bytes(config.read_piece_bytes // (4 if storage.maps_files else 16), seg)
-    xplan = plan_exchange(
+    unit = _unit_bytes(storage, config, seg)
+    return plan_exchange(
         offers, plan.meta.tensors, plan.meta.files, seg, unit, unit * config.io_threads
     )
-    if not xplan.units:
-        return none
+
+
+def _exchange(comm: Comm, storage: Storage, plan: _Plan, config: Config) -> _Shared | None:
+    """Read the chunks that ranks of one host share once, and return what is left to read."""
+    xplan = plan.sharing
+    if xplan is None or not xplan.units:
+        return _Shared(ExchangeStats(0, 0, 0), plan.reads)
+    seg = plan.meta.segment_bytes
     if storage.maps_files:
         stats: ExchangeStats | None = run_mapped_exchange(
             comm.rank, storage, xplan, plan.needed, config, config.verify, seg

@@ -3,18 +3,19 @@
 The exchange plan says which rank owns (reads and verifies) each unit of a chunk that several
 ranks of one host need parts of. With files the kernel already keeps one copy of every page
 read, shared by all processes of the host, so no buffer of our own and no step-by-step
-hand-over between ranks is needed: an owner reads its unit (whole checksum segments) into a
-small scratch buffer, verifies it and copies its own parts out; every other rank maps the
-unit's byte range and copies its parts straight out of the page cache. Nothing waits for
-another rank, so reading, hashing and copying overlap fully across ranks and threads.
+hand-over between ranks is needed: every rank maps the byte ranges of the units it needs parts
+of; an owner verifies every checksum segment of its unit straight from the mapping, and every
+rank copies its parts straight out of it. Nothing waits for another rank, so reading, hashing
+and copying overlap fully across ranks and threads, and no byte is copied twice.
 
 A rank may copy a part before the owner has verified the unit: when the owner finds damage its
 error fails the load on every rank (the caller's step gathers errors), as damage found in a
 rank's own reads does; values already copied are never reported as loaded.
 
-Bytes read: each unit once on the host (the owner's read); a rank that cannot map a unit reads
-its bytes instead (counted). Peak extra memory: ``io_threads`` scratch buffers and mappings of
-at most one unit each.
+Bytes read: each unit once on the host (the owner's, counted in its report; through the
+mapping, so the kernel's read-call counters do not see it). A rank that cannot map a unit reads
+its bytes into a scratch buffer instead (counted). Peak extra memory: one mapped unit per
+thread (page-cache pages), and a scratch buffer per thread only where mapping failed.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ..planning.exchange_plan import ExchangePlan, Unit
 from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
 from .exchange import ExchangeStats, copy_parts
-from .read import ChunkRef, read_chunk_bytes
+from .read import ChunkRef, check_segments, read_chunk_bytes
 
 
 def run_mapped_exchange(
@@ -83,9 +84,19 @@ def _owned(
     """Read and verify a unit this rank owns, copy its own parts; (read, placed, 0)."""
 
     def run() -> tuple[int, int, int]:
-        raw = scratch.take(u.hi - u.lo)
-        read_chunk_bytes(storage, ChunkRef(u.key, u.file, u.chunk), u.lo, raw, verify, segment)
-        return u.hi - u.lo, copy_parts(raw, u, needed, rank), 0
+        ref = ChunkRef(u.key, u.file, u.chunk)
+        start, size = u.chunk.byte_offset + u.lo, u.hi - u.lo
+        view = storage.map_range(u.file, start, size)
+        if view is None:
+            raw = scratch.take(size)
+            read_chunk_bytes(storage, ref, u.lo, raw, verify, segment)
+        else:
+            raw = torch.frombuffer(view, dtype=torch.uint8)
+            if verify and u.chunk.checksums:
+                check_segments(ref, u.lo, raw, segment)
+        placed = copy_parts(raw, u, needed, rank)
+        del raw, view  # unmaps now: at most one unit per thread stays mapped
+        return size, placed, 0
 
     return run
 

@@ -128,10 +128,12 @@ def read_chunk_bytes(
     ``verify``, ``start`` is segment-aligned and every segment's checksum is checked."""
     storage.read_into(ref.file, ref.chunk.byte_offset + start, buffer_of(out))
     if verify and ref.chunk.checksums:
-        _check(ref, start, out, segment)
+        check_segments(ref, start, out, segment)
 
 
-def _check(ref: ChunkRef, start: int, data: torch.Tensor, seg: int) -> None:
+def check_segments(ref: ChunkRef, start: int, data: torch.Tensor, seg: int) -> None:
+    """Raise CheckpointCorruptError unless every checksum segment of ``data`` (bytes ``[start,
+    start + len(data))`` of the chunk, ``start`` segment-aligned) matches the index."""
     mv = buffer_of(data)
     sums = ref.chunk.checksums
     for pos in range(0, len(mv), seg):

@@ -62,6 +62,7 @@ MEASURES: tuple[Measure, ...] = (
     Measure("load_bytes_read", "load read (MB)", "bytes", "sum"),
     Measure("load_bytes_read_device", "load read from device (MB)", "bytes", "sum", in_table=False),
     Measure("reshard_bytes_read", "reshard read (MB)", "bytes", "sum"),
+    Measure("reshard_bytes_reported", "reshard read, own count (MB)", "bytes", "sum"),
     Measure("save_peak_extra_bytes", "peak extra RSS save (MB)", "bytes", "sum"),
     Measure("load_peak_extra_bytes", "peak extra RSS load (MB)", "bytes", "sum"),
     Measure(

@@ -193,6 +193,7 @@ def _load(
     with PeakMemory() as memory:
         t0 = now()
         try:
+            system.bytes_read_reported = None
             (system.reshard_load if reshard else system.load)(path, state)
             state.synchronize()
         except Unsupported as exc:
@@ -218,6 +219,8 @@ def _load(
             "reshard_bytes_read": float(moved.rchar),
             "reshard_peak_extra_bytes": float(memory.extra_bytes),
         }
+        if system.bytes_read_reported is not None:
+            values["reshard_bytes_reported"] = float(system.bytes_read_reported)
     else:
         values = {
             "load_s": seconds,

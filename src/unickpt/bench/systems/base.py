@@ -48,6 +48,10 @@ class CheckpointSystem(ABC):
     #: ``__init__`` when it depends on the machine or the device.
     notes: str = ""
 
+    #: Bytes the last load says it read, where the system counts them itself (None: it does
+    #: not). Reads through memory mappings escape the kernel's read-call counter (``rchar``).
+    bytes_read_reported: int | None = None
+
     def __init__(self, info: SystemInfo) -> None:
         self.info = info
 

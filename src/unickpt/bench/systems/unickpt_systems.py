@@ -56,7 +56,7 @@ class UnickptSystem(CheckpointSystem):
         return SaveHandle()
 
     def load(self, path: Path, state: TrainState) -> None:
-        self._unickpt.load(str(path), state.state())
+        self.bytes_read_reported = self._unickpt.load(str(path), state.state()).bytes_read
 
 
 class UnickptAsyncSystem(UnickptSystem):

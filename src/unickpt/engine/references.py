@@ -29,6 +29,7 @@ class ReferencingStorage(Storage):
         self.inner = inner
         self.min_part_bytes = inner.min_part_bytes
         self.max_parts = inner.max_parts
+        self.cheap_reads = inner.cheap_reads
         self._steps: dict[str, Storage] = {}
         self._lock = threading.Lock()
 

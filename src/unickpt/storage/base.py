@@ -153,6 +153,10 @@ class Storage(ABC):
     max_parts: int | None = None
     """The most parts a data file may have (S3: 10,000); parts grow to stay within it."""
 
+    cheap_reads: bool = False
+    """A read costs little more than its copy (local files): a verified read goes one checksum
+    segment at a time, each checked while it is still in the processor's cache."""
+
     @property
     @abstractmethod
     def location(self) -> str:

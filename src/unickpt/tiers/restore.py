@@ -164,6 +164,7 @@ class WithIndexes(Storage):
     def __init__(self, base: Storage, extra: dict[str, bytes]) -> None:
         self.base = base
         self.extra = extra
+        self.cheap_reads = base.cheap_reads
 
     @property
     def location(self) -> str:

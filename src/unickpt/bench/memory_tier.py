@@ -16,6 +16,7 @@ Each rank holds ``--mib`` MiB of float32 tensors (16 MiB each). Rows, medians ov
 - restore from a peer: node b's memory folder deleted, both ranks restart; node b's rank fetches
   its files from node a and loads.
 
+unickpt bench --memory-tier --memory-mib 256 --peers-python .venv-peers/bin/python
 python benchmarks/memory_tier.py --mib 256 --peers-python .venv-peers/bin/python
 """
 
@@ -172,23 +173,18 @@ def _ms(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e3:.1f} ms"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mib", type=int, default=256, help="state per rank, MiB")
-    p.add_argument("--saves", type=int, default=5)
-    p.add_argument("--peers-python", default=None, help="python of .venv-peers (DLRover)")
-    p.add_argument("--json", default=None, help="write the figures here")
-    args = p.parse_args()
+def measure(mib: int, saves: int, peers_python: str | None) -> dict[str, Any]:
+    """Every row's figures (seconds), DLRover's under ``"dlrover"`` when ``peers_python``."""
     work = Path(tempfile.mkdtemp(prefix="unickpt-memory-bench-", dir="/dev/shm"))
     try:
-        rows: dict[str, Any] = {"mib_per_rank": args.mib}
+        rows: dict[str, Any] = {"mib_per_rank": mib}
         one = {"root": str(work / "store1"), "dirs": {0: str(work / "m1")}}
-        a = {**one, "mib": args.mib, "saves": args.saves}
+        a = {**one, "mib": mib, "saves": saves}
         local = _spawn(1, _save_job, a)[0]
         rows["unickpt_stall"] = local["stall"]
         rows["unickpt_restore_local"] = _spawn(1, _restore_job, a)[0]["restore"]
         two = {"root": str(work / "store2"), "dirs": {0: str(work / "ma"), 1: str(work / "mb")}}
-        b = {**two, "mib": args.mib, "saves": args.saves}
+        b = {**two, "mib": mib, "saves": saves}
         pair = _spawn(2, _save_job, b)
         rows["unickpt_replicated"] = pair[0]["replicated"] + pair[1]["replicated"]
         rows["link"] = pair[0]["link"]
@@ -196,25 +192,40 @@ def main() -> None:
         back = _spawn(2, _restore_job, b)
         assert back[1]["source"] == "peer", back
         rows["unickpt_restore_peer"] = back[1]["restore"]
-        if args.peers_python:
-            rows["dlrover"] = _dlrover(args.peers_python, args.mib, args.saves, work)
+        if peers_python:
+            rows["dlrover"] = _dlrover(peers_python, mib, saves, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"| row ({args.mib} MiB per rank) | unickpt | DLRover flash checkpoint |")
-    print("| --- | --- | --- |")
+    return rows
+
+
+def to_markdown(rows: dict[str, Any]) -> str:
+    """The rows as a markdown table, unickpt beside DLRover."""
     d = rows.get("dlrover") or {}
-    print(f"| save stall | {_ms(rows['unickpt_stall'])} | {_ms(d['stall']) if d else 'n/a'} |")
-    print(
-        f"| replica committed on the peer (raw link: {_ms(rows['link'])}) | "
-        f"{_ms(rows['unickpt_replicated'])} | n/a (needs dlrover-run's agents) |"
-    )
     restore = f"{rows['unickpt_restore_local'] * 1e3:.1f} ms"
     theirs = f"{d['restore'] * 1e3:.1f} ms" if d else "n/a"
-    print(f"| restore from local memory | {restore} | {theirs} |")
-    print(f"| restore from a peer | {rows['unickpt_restore_peer'] * 1e3:.1f} ms | n/a |")
+    lines = [
+        f"| memory tier ({rows['mib_per_rank']} MiB per rank) | unickpt "
+        "| DLRover flash checkpoint |",
+        "| --- | --- | --- |",
+        f"| save stall | {_ms(rows['unickpt_stall'])} | {_ms(d['stall']) if d else 'n/a'} |",
+        f"| replica committed on the peer (raw link: {_ms(rows['link'])}) | "
+        f"{_ms(rows['unickpt_replicated'])} | n/a (needs dlrover-run's agents) |",
+        f"| restore from local memory | {restore} | {theirs} |",
+        f"| restore from a peer (raw link: {_ms(rows['link'])}) | "
+        f"{rows['unickpt_restore_peer'] * 1e3:.1f} ms | n/a |",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--mib", type=int, default=256, help="state per rank, MiB")
+    p.add_argument("--saves", type=int, default=5)
+    p.add_argument("--peers-python", default=None, help="python of .venv-peers (DLRover)")
+    p.add_argument("--json", default=None, help="write the figures here")
+    args = p.parse_args()
+    rows = measure(args.mib, args.saves, args.peers_python)
+    print(to_markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-
-
-if __name__ == "__main__":
-    main()

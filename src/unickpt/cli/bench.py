@@ -10,6 +10,7 @@ Run it::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -110,6 +111,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="also put the table into this markdown file's results block (docs/benchmarks.md)",
     )
+    parser.add_argument(
+        "--memory-tier",
+        action="store_true",
+        help="instead of the systems table: the memory tier's rows (save stall, replica on the "
+        "peer beside the raw link, restore from local memory and from a peer) beside DLRover's "
+        "flash checkpoint",
+    )
+    parser.add_argument(
+        "--memory-mib", type=int, default=256, help="memory tier rows: state per rank, MiB"
+    )
     parser.set_defaults(func=run)
 
 
@@ -143,6 +154,8 @@ def _command(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the markdown table and where the reports went."""
+    if args.memory_tier:
+        return _memory_tier(args)
     try:
         config = BenchConfig(
             params=parse_param_count(args.params),
@@ -178,4 +191,18 @@ def run(args: argparse.Namespace) -> int:
     print(markdown)
     for kind, path in paths.items():
         print(f"{kind}: {path}")
+    return 0
+
+
+def _memory_tier(args: argparse.Namespace) -> int:
+    from ..bench.memory_tier import measure
+    from ..bench.memory_tier import to_markdown as memory_markdown
+
+    rows = measure(args.memory_mib, 5, _peers_python(args.peers_python))
+    markdown = memory_markdown(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "memory_tier.json").write_text(json.dumps(rows, indent=1))
+    (args.out / "memory_tier.md").write_text(markdown + "\n")
+    print(markdown)
+    print(f"json: {args.out / 'memory_tier.json'}")
     return 0

@@ -103,7 +103,7 @@ def _restore_job(rank: int, world: int, port: int, a: dict[str, Any], q: Any) ->
     step = ckpt.load_latest(state)
     seconds = time.perf_counter() - t0
     info = ckpt.last_restore
-    assert info is not None and step == a["saves"], (step, info)
+    assert info is not None and step is not None and step == a["saves"], (step, info)
     assert float(state["t0"].local[0, 0]) == rank + step + 1, "restored values differ"
     q.put((rank, {"restore": seconds, "source": info.source}))
     dist.destroy_process_group()
@@ -178,12 +178,13 @@ def measure(mib: int, saves: int, peers_python: str | None) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="unickpt-memory-bench-", dir="/dev/shm"))
     try:
         rows: dict[str, Any] = {"mib_per_rank": mib}
-        one = {"root": str(work / "store1"), "dirs": {0: str(work / "m1")}}
+        one: dict[str, Any] = {"root": str(work / "store1"), "dirs": {0: str(work / "m1")}}
         a = {**one, "mib": mib, "saves": saves}
         local = _spawn(1, _save_job, a)[0]
         rows["unickpt_stall"] = local["stall"]
         rows["unickpt_restore_local"] = _spawn(1, _restore_job, a)[0]["restore"]
-        two = {"root": str(work / "store2"), "dirs": {0: str(work / "ma"), 1: str(work / "mb")}}
+        dirs = {0: str(work / "ma"), 1: str(work / "mb")}
+        two: dict[str, Any] = {"root": str(work / "store2"), "dirs": dirs}
         b = {**two, "mib": mib, "saves": saves}
         pair = _spawn(2, _save_job, b)
         rows["unickpt_replicated"] = pair[0]["replicated"] + pair[1]["replicated"]

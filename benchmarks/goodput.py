@@ -17,6 +17,7 @@ from a job's start until its state holds the values. Then a model scales the mea
 1,024 GPUs with one failure an hour (assumptions printed with it).
 
 python benchmarks/goodput.py --steps 600 --mtbf 20 --persist-s 20
+python benchmarks/goodput.py --minutes 2 --mtbf 15 --persist-s 10   # a short run
 """
 
 from __future__ import annotations
@@ -220,6 +221,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=600)
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="instead of --steps: each policy's failure-"
+        "free training time, in minutes (steps from the calibrated step time)",
+    )
     p.add_argument("--mtbf", type=float, default=20.0, help="mean seconds between failures")
     p.add_argument("--persist-s", type=float, default=20.0, help="memory tier: persist period")
     p.add_argument("--storage", default=tempfile.gettempdir(), help="where storage saves go")
@@ -232,6 +240,8 @@ def main() -> None:
     a: dict[str, Any] = {"steps": args.steps, "storage": args.storage, "mtbf": args.mtbf}
     cal = _calibrate(a)
     cal["step"] = cal["none_step"]
+    if args.minutes is not None:
+        a["steps"] = max(20, round(args.minutes * 60 / cal["step"]))
     model, _ = _model()
     a["state_bytes"] = 3 * sum(p.numel() * 4 for p in model.parameters())  # weights + Adam
     a["every"] = max(1, round(math.sqrt(2 * cal["storage"] * args.mtbf) / cal["step"]))

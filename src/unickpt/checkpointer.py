@@ -381,9 +381,12 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Wait for the pending asynchronous save; re-raise its failure."""
-        pending, self._pending = self._pending, None
-        if pending is not None and not (pending.done() and pending.error_reported):
-            pending.wait()
+        pending = self._pending
+        try:
+            if pending is not None and not (pending.done() and pending.error_reported):
+                pending.wait()
+        finally:  # cleared once over: a signal handler run in the wait still sees it
+            self._pending = None
 
     def close(self) -> None:
         """Wait for pending saves and release the root; with a memory tier, persist what

@@ -90,6 +90,45 @@ def test_memory_saves_bounded_persisted_to_any_backend(tmp_path: Path) -> None:
     assert again.last_restore is not None and again.last_restore.source == "storage"
 
 
+def test_saves_write_over_the_retired_checkpoints_files(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    tier = unickpt.MemoryTier(persist_every=100, replicas=1, dir=shm)
+    root = tmp_path / "root"
+    ckpt = unickpt.Checkpointer(root, memory=tier)
+    store = MemoryStore(shm, job_name(str(root)))
+
+    def data_inode(step: int) -> tuple[int, int]:
+        (name,) = [n for n in os.listdir(store.step_path(step)) if n.startswith("data-")]
+        st = os.stat(store.step_path(step) / name)
+        return st.st_ino, st.st_size
+
+    inodes = {}
+    for step, n in {1: 5000, 2: 5000, 3: 1000, 4: 9000}.items():
+        ckpt.save(step, {"w": torch.arange(n, dtype=torch.float64) * step}).wait()
+        inodes[step] = data_inode(step)
+    # each save wrote over the file of the checkpoint it retired (its pages reused), cut or
+    # grown to its own size
+    assert inodes[3][0] == inodes[1][0] and inodes[4][0] == inodes[2][0]
+    assert inodes[3][1] < inodes[1][1] < inodes[4][1]
+    dest = {"w": torch.zeros(9000, dtype=torch.float64)}
+    assert ckpt.load_latest(dest) == 4 and torch.equal(dest["w"], torch.arange(9000.0) * 4)
+    ckpt.close()
+    assert not shm.exists()
+
+
+def test_spares_fit_the_file_being_written(tmp_path: Path) -> None:
+    store = MemoryStore(tmp_path, "job")
+    for step, size in ((1, 300), (1, 100), (2, 200)):
+        folder = store.step_path(step)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"data-ab-{size}.bin").write_bytes(bytes(size))
+    assert store.retire({2}) == [1] and store.steps() == [2]
+    dest = tmp_path / "new.bin"
+    assert store.take_spare(dest, 150) and dest.stat().st_size == 300
+    assert store.take_spare(dest, 150) and dest.stat().st_size == 100  # the largest left
+    assert not store.take_spare(dest, 150)
+
+
 class _SlowStorage(LocalStorage):
     def create(self, name: str, part_sizes: Sequence[int]) -> WriteHandle:
         time.sleep(0.3)

@@ -156,6 +156,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     dlrm.add_argument(
         "--no-shm", action="store_true", help="no tuner jobs in /dev/shm, only on --workdir"
     )
+    parser.add_argument(
+        "--memory-tier",
+        action="store_true",
+        help="instead of the systems table: the memory tier's rows (save stall, replica on the "
+        "peer beside the raw link, restore from local memory and from a peer) beside DLRover's "
+        "flash checkpoint",
+    )
+    parser.add_argument(
+        "--memory-mib", type=int, default=256, help="memory tier rows: state per rank, MiB"
+    )
     parser.set_defaults(func=run)
 
 
@@ -228,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_storage(args)
     if args.workload == "dlrm":
         return run_dlrm_workload(args)
+    if args.memory_tier:
+        return _memory_tier(args)
     try:
         config = BenchConfig(
             params=parse_param_count(args.params),
@@ -293,4 +305,18 @@ def _run_storage(args: argparse.Namespace) -> int:
     (args.out / "bench-s3.md").write_text(markdown + "\n")
     print(markdown)
     print(f"md: {args.out / 'bench-s3.md'}")
+    return 0
+
+
+def _memory_tier(args: argparse.Namespace) -> int:
+    from ..bench.memory_tier import measure
+    from ..bench.memory_tier import to_markdown as memory_markdown
+
+    rows = measure(args.memory_mib, 5, _peers_python(args.peers_python))
+    markdown = memory_markdown(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "memory_tier.json").write_text(json.dumps(rows, indent=1))
+    (args.out / "memory_tier.md").write_text(markdown + "\n")
+    print(markdown)
+    print(f"json: {args.out / 'memory_tier.json'}")
     return 0

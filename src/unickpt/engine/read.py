@@ -126,7 +126,14 @@ def read_chunk_bytes(
 ) -> None:
     """Read bytes ``[start, start + len(out))`` of a chunk into the uint8 tensor ``out``; with
     ``verify``, ``start`` is segment-aligned and every segment's checksum is checked."""
-    storage.read_into(ref.file, ref.chunk.byte_offset + start, buffer_of(out))
+    base = ref.chunk.byte_offset + start
+    if verify and ref.chunk.checksums and storage.cheap_reads:
+        for pos in range(0, out.numel(), segment):  # checked while still in cache
+            piece = out[pos : pos + segment]
+            storage.read_into(ref.file, base + pos, buffer_of(piece))
+            check_segments(ref, start + pos, piece, segment)
+        return
+    storage.read_into(ref.file, base, buffer_of(out))
     if verify and ref.chunk.checksums:
         check_segments(ref, start, out, segment)
 

@@ -31,6 +31,7 @@ class ReferencingStorage(Storage):
         self.max_parts = inner.max_parts
         self.maps_files = inner.maps_files
         self.max_part_bytes = inner.max_part_bytes
+        self.cheap_reads = inner.cheap_reads
         self._steps: dict[str, Storage] = {}
         self._lock = threading.Lock()
 

@@ -159,6 +159,10 @@ class Storage(ABC):
     max_part_bytes: int | None = None
     """The largest part a data file may have (S3: 5 GiB); large chunks are cut to fit."""
 
+    cheap_reads: bool = False
+    """A read costs little more than its copy (local files): a verified read goes one checksum
+    segment at a time, each checked while it is still in the processor's cache."""
+
     @property
     @abstractmethod
     def location(self) -> str:

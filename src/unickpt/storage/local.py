@@ -70,13 +70,16 @@ def pwritev_all(fd: int, buffers: Sequence[memoryview], offset: int) -> None:
             views[i] = views[i][n:]
 
 
-class _LocalWriteHandle(WriteHandle):
-    def __init__(self, path: Path, part_sizes: Sequence[int]) -> None:
+class LocalWriteHandle(WriteHandle):
+    def __init__(self, path: Path, part_sizes: Sequence[int], overwrite: bool = False) -> None:
         super().__init__(str(path), part_sizes, 0)
         self._path = path
+        # ``overwrite``: an existing file is written over in place, its pages kept (every byte
+        # of the new file is written, so nothing of the old one remains readable).
+        keep = 0 if overwrite else os.O_TRUNC
         try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            if self.nbytes > 0:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | keep, 0o644)
+            if self.nbytes > 0 or overwrite:
                 os.ftruncate(self._fd, self.nbytes)
         except OSError as e:
             raise _os_error(e, f"creating {path}") from e
@@ -110,6 +113,7 @@ class LocalStorage(Storage):
     """
 
     maps_files = True
+    cheap_reads = True
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.root = Path(path)
@@ -142,7 +146,7 @@ class LocalStorage(Storage):
 
     def create(self, name: str, part_sizes: Sequence[int]) -> WriteHandle:
         self.ensure_root()
-        return _LocalWriteHandle(self._path(name), part_sizes)
+        return LocalWriteHandle(self._path(name), part_sizes)
 
     def _reader_fd(self, name: str) -> int:
         with self._lock:

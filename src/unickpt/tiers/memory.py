@@ -19,13 +19,15 @@ import hashlib
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpointer import step_name
 from ..errors import CheckpointError
 from ..format.metadata import COMMIT_FILE
-from ..storage.local import LocalStorage
+from ..storage.base import WriteHandle
+from ..storage.local import LocalStorage, LocalWriteHandle
 
 DEFAULT_DIR = "/dev/shm/unickpt"
 SPARE = ".spare"
@@ -156,13 +158,15 @@ class MemoryStore:
             (path / COMMIT_FILE).unlink()
         shutil.rmtree(path, ignore_errors=True)
 
-    def retire(self, keep: set[int], own: set[int]) -> list[int]:
+    def retire(self, keep: set[int]) -> list[int]:
         """Delete every step folder but ``keep``; the steps deleted.
 
-        The replica files of a deleted step (data files of ranks not in ``own``) are kept as
-        spares, for the next replicas to be received into (:meth:`take_spare`): their memory
-        pages are reused instead of freed and allocated again, which on tmpfs costs more than
-        the transfer. Spares of earlier steps not taken by then are deleted.
+        The data files of a deleted step (this node's ranks' and the replicas it kept) become
+        spares, for the next save's files and replicas to be written over in place
+        (:meth:`take_spare`): their memory pages are reused instead of freed and allocated
+        again, which on tmpfs costs more than the copy itself (zeroing every page, in the
+        training loop's stall when freed there). Spares of earlier steps still unused by then
+        are deleted.
         """
         spare = self.root / SPARE
         shutil.rmtree(spare, ignore_errors=True)
@@ -172,25 +176,54 @@ class MemoryStore:
             with contextlib.suppress(FileNotFoundError):
                 (path / COMMIT_FILE).unlink()
             for name in _listdir(path):
-                m = _DATA.match(name)
-                if m and int(m.group(2)) not in own:
+                if _DATA.match(name):
                     spare.mkdir(exist_ok=True)
-                    os.replace(path / name, spare / f"{step}-{name}")
+                    with contextlib.suppress(FileNotFoundError):
+                        os.replace(path / name, spare / f"{step}-{name}")
             self.remove(step)
         return gone
 
-    def take_spare(self, dest: Path) -> None:
-        """Move a spare file (if any) to ``dest``, to be overwritten in place."""
-        for name in _listdir(self.root / SPARE):
+    def take_spare(self, dest: Path, nbytes: int) -> bool:
+        """Move a spare file to ``dest``, to be written over in place: the smallest holding
+        ``nbytes``, else the largest. False when there is none (another rank of the node may
+        take the same spare first: a rename moves it to one of them only)."""
+        folder = self.root / SPARE
+        sizes: list[tuple[int, str]] = []
+        for name in _listdir(folder):
             with contextlib.suppress(FileNotFoundError):
-                os.replace(self.root / SPARE / name, dest)
-                return
+                sizes.append((os.stat(folder / name).st_size, name))
+        fits = sorted(s for s in sizes if s[0] >= nbytes) or sorted(sizes, reverse=True)
+        for _, name in fits:
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(folder / name, dest)
+                return True
+        return False
+
+    def step_storage(self, step: int) -> RecyclingStorage:
+        """The step's folder as the storage a save writes into, its data files on spares."""
+        return RecyclingStorage(self.step_path(step), self)
 
     def clear(self) -> None:
         """Delete the job's folder (and ``dir`` when nothing else is left in it)."""
         shutil.rmtree(self.root, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.base.rmdir()
+
+
+class RecyclingStorage(LocalStorage):
+    """A memory step folder whose new data files take the pages of spare ones."""
+
+    def __init__(self, path: Path, store: MemoryStore) -> None:
+        super().__init__(path)
+        self._store = store
+
+    def create(self, name: str, part_sizes: Sequence[int]) -> WriteHandle:
+        if not _DATA.match(name):
+            return super().create(name, part_sizes)
+        self.ensure_root()
+        path = self.root / name
+        reuse = self._store.take_spare(path, sum(part_sizes))
+        return LocalWriteHandle(path, part_sizes, overwrite=reuse)
 
 
 def _listdir(path: Path) -> list[str]:

@@ -128,14 +128,14 @@ class TierPolicy:
         group.barrier()  # every rank's persist of a retiring step is over
         if nodes.is_leader:
             keep = {self.newest.step} if self.newest is not None else set()
-            for gone in self.store.retire(keep, set(nodes.members[nodes.node])):
+            for gone in self.store.retire(keep):
                 log.debug("retired memory step %d", gone)
         self._count(saves=1)
         self._since_persist += 1
         due = self._since_persist >= self.tier.persist_every
         if due:
             self._since_persist = 0
-        target = self.store.step(step)
+        target = self.store.step_storage(step)
 
         def committed() -> None:
             self._after_commit(step, due)

@@ -94,7 +94,7 @@ def replicate(
             transfers.append(Transfer(index, ref.index_nbytes, dst, 2 * k + 1, True))
         else:
             landing = folder / f".{ref.index}.{os.getpid()}.tmp"
-            store.take_spare(data)
+            store.take_spare(data, ref.nbytes)
             transfers.append(Transfer(data, ref.nbytes, src, 2 * k, False))
             transfers.append(Transfer(landing, ref.index_nbytes, src, 2 * k + 1, False))
             renames.append((landing.name, ref.index))

@@ -165,6 +165,7 @@ class WithIndexes(Storage):
         self.base = base
         self.extra = extra
         self.maps_files = base.maps_files
+        self.cheap_reads = base.cheap_reads
 
     @property
     def location(self) -> str:

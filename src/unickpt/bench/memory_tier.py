@@ -1,0 +1,232 @@
+"""The memory tier beside DLRover's flash checkpoint: save stall, replica time, restores.
+
+Each rank holds ``--mib`` MiB of float32 tensors (16 MiB each). Rows, medians over
+``--saves`` saves after a first one that allocates:
+
+- save stall: how long ``save`` blocks the training thread (unickpt: the call of
+  ``Checkpointer.save`` with a MemoryTier; DLRover: ``save_checkpoint(..., MEMORY)``, its copy
+  into shared memory);
+- replica on the peer: two ranks as two nodes (``UNICKPT_NODE``) on this machine, from the call
+  until ``fut.wait()`` returns (the memory copy and the partner's replica committed), beside the
+  raw gloo transfer of the same bytes between the two ranks;
+- restore from local memory: a new process loads the newest step into zeroed tensors (unickpt,
+  ``last_restore.seconds``); DLRover: ``load_checkpoint()`` then the copy of its shared-memory
+  tensors into the state, in the process that saved (its standalone saver lives in the training
+  process);
+- restore from a peer: node b's memory folder deleted, both ranks restart; node b's rank fetches
+  its files from node a and loads.
+
+unickpt bench --memory-tier --memory-mib 256 --peers-python .venv-peers/bin/python
+python benchmarks/memory_tier.py --mib 256 --peers-python .venv-peers/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import unickpt
+
+PIECE_MIB = 16
+
+
+def _state(mib: int, value: float, rank: int, world: int) -> dict[str, Any]:
+    """This rank's row of ``mib // 16`` global tensors (each rank's bytes are its own)."""
+    n, cols = max(1, mib // PIECE_MIB), PIECE_MIB << 18
+    return {
+        f"t{i}": unickpt.ShardedTensor(torch.full((1, cols), value + i), (world, cols), (rank, 0))
+        for i in range(n)
+    }
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _save_job(rank: int, world: int, port: int, a: dict[str, Any], q: Any) -> None:
+    _init(rank, world, port)
+    os.environ["UNICKPT_NODE"] = f"node-{rank}"
+    reps = int(os.environ.get("PROBE_REPLICAS", world))
+    tier = unickpt.MemoryTier(persist_every=10**6, replicas=reps, dir=a["dirs"][rank])
+    ckpt = unickpt.Checkpointer(a["root"], memory=tier)
+    state = _state(a["mib"], float(rank), rank, world)
+    stalls, replicated = [], []
+    for step in range(a["saves"] + 1):
+        for t in state.values():
+            t.local.add_(1)  # the training step
+        dist.barrier()
+        t0 = time.perf_counter()
+        fut = ckpt.save(step, state)
+        stalls.append(time.perf_counter() - t0)
+        fut.wait()
+        replicated.append(time.perf_counter() - t0)
+    link = []
+    if world == 2:
+        buf = torch.empty(a["mib"] << 20, dtype=torch.uint8)
+        for _ in range(3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0)
+            link.append(time.perf_counter() - t0)
+    q.put((rank, {"stall": stalls[1:], "replicated": replicated[1:], "link": link}))
+    dist.destroy_process_group()
+
+
+def _restore_job(rank: int, world: int, port: int, a: dict[str, Any], q: Any) -> None:
+    _init(rank, world, port)
+    os.environ["UNICKPT_NODE"] = f"node-{rank}"
+    tier = unickpt.MemoryTier(persist_every=10**6, replicas=world, dir=a["dirs"][rank])
+    ckpt = unickpt.Checkpointer(a["root"], memory=tier)
+    state = _state(a["mib"], -1.0, rank, world)
+    t0 = time.perf_counter()
+    step = ckpt.load_latest(state)
+    seconds = time.perf_counter() - t0
+    info = ckpt.last_restore
+    assert info is not None and step is not None and step == a["saves"], (step, info)
+    assert float(state["t0"].local[0, 0]) == rank + step + 1, "restored values differ"
+    q.put((rank, {"restore": seconds, "source": info.source}))
+    dist.destroy_process_group()
+
+
+def _spawn(world: int, fn: Any, a: dict[str, Any]) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=fn, args=(r, world, port, a, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = dict(q.get(timeout=600) for _ in range(world))
+    for p in procs:
+        p.join()
+    return [out[r] for r in range(world)]
+
+
+_DLROVER = r"""
+import json, os, statistics, sys, time, torch
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", WORLD_SIZE="1",
+                  LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+import torch.distributed as dist
+dist.init_process_group("gloo")
+from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
+mib, saves = int(sys.argv[1]), int(sys.argv[2])
+n = max(1, mib // 16)
+state = {f"t{i}": torch.full((16 << 18,), float(i)) for i in range(n)}
+ckpt = DdpCheckpointer(sys.argv[4])
+stalls = []
+for step in range(saves + 1):
+    for t in state.values():
+        t.add_(1)
+    t0 = time.perf_counter()
+    ckpt.save_checkpoint(step, state, storage_type=StorageType.MEMORY)
+    stalls.append(time.perf_counter() - t0)
+dest = {k: torch.zeros_like(v) for k, v in state.items()}
+t0 = time.perf_counter()
+loaded = ckpt.load_checkpoint()
+for k, v in dest.items():
+    v.copy_(loaded[k])
+restore = time.perf_counter() - t0
+assert all(torch.equal(dest[k], state[k]) for k in state)
+print("RESULT " + json.dumps({"stall": stalls[1:], "restore": restore}))
+"""
+
+
+def _dlrover(python: str, mib: int, saves: int, work: Path) -> dict[str, Any] | None:
+    cmd = [python, "-c", _DLROVER, str(mib), str(saves), str(_port()), str(work / "dlrover")]
+    job = f"unickpt-bench-{os.getpid()}"  # DLRover names its shared memory and sockets by it
+    try:
+        env = {**os.environ, "TORCHELASTIC_RUN_ID": job}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    finally:  # what DLRover leaves behind after its process ended
+        for leftover in Path("/dev/shm").glob(f"{job}_*"):
+            leftover.unlink(missing_ok=True)
+        shutil.rmtree(f"/tmp/ckpt_sock/{job}", ignore_errors=True)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        print(done.stdout[-2000:], done.stderr[-2000:], file=sys.stderr)
+        return None
+    result: dict[str, Any] = json.loads(line[len("RESULT ") :])
+    return result
+
+
+def _ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1e3:.1f} ms"
+
+
+def measure(mib: int, saves: int, peers_python: str | None) -> dict[str, Any]:
+    """Every row's figures (seconds), DLRover's under ``"dlrover"`` when ``peers_python``."""
+    work = Path(tempfile.mkdtemp(prefix="unickpt-memory-bench-", dir="/dev/shm"))
+    try:
+        rows: dict[str, Any] = {"mib_per_rank": mib}
+        one: dict[str, Any] = {"root": str(work / "store1"), "dirs": {0: str(work / "m1")}}
+        a = {**one, "mib": mib, "saves": saves}
+        local = _spawn(1, _save_job, a)[0]
+        rows["unickpt_stall"] = local["stall"]
+        rows["unickpt_restore_local"] = _spawn(1, _restore_job, a)[0]["restore"]
+        dirs = {0: str(work / "ma"), 1: str(work / "mb")}
+        two: dict[str, Any] = {"root": str(work / "store2"), "dirs": dirs}
+        b = {**two, "mib": mib, "saves": saves}
+        pair = _spawn(2, _save_job, b)
+        rows["unickpt_replicated"] = pair[0]["replicated"] + pair[1]["replicated"]
+        rows["link"] = pair[0]["link"]
+        shutil.rmtree(two["dirs"][1])  # node b's memory is lost
+        back = _spawn(2, _restore_job, b)
+        assert back[1]["source"] == "peer", back
+        rows["unickpt_restore_peer"] = back[1]["restore"]
+        if peers_python:
+            rows["dlrover"] = _dlrover(peers_python, mib, saves, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def to_markdown(rows: dict[str, Any]) -> str:
+    """The rows as a markdown table, unickpt beside DLRover."""
+    d = rows.get("dlrover") or {}
+    restore = f"{rows['unickpt_restore_local'] * 1e3:.1f} ms"
+    theirs = f"{d['restore'] * 1e3:.1f} ms" if d else "n/a"
+    lines = [
+        f"| memory tier ({rows['mib_per_rank']} MiB per rank) | unickpt "
+        "| DLRover flash checkpoint |",
+        "| --- | --- | --- |",
+        f"| save stall | {_ms(rows['unickpt_stall'])} | {_ms(d['stall']) if d else 'n/a'} |",
+        f"| replica committed on the peer (raw link: {_ms(rows['link'])}) | "
+        f"{_ms(rows['unickpt_replicated'])} | n/a (needs dlrover-run's agents) |",
+        f"| restore from local memory | {restore} | {theirs} |",
+        f"| restore from a peer (raw link: {_ms(rows['link'])}) | "
+        f"{rows['unickpt_restore_peer'] * 1e3:.1f} ms | n/a |",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--mib", type=int, default=256, help="state per rank, MiB")
+    p.add_argument("--saves", type=int, default=5)
+    p.add_argument("--peers-python", default=None, help="python of .venv-peers (DLRover)")
+    p.add_argument("--json", default=None, help="write the figures here")
+    args = p.parse_args()
+    rows = measure(args.mib, args.saves, args.peers_python)
+    print(to_markdown(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))

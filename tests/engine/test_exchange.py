@@ -21,8 +21,8 @@ from unickpt.engine.exchange import rank_needs, run_exchange
 from unickpt.engine.mapped import run_mapped_exchange
 from unickpt.engine.read import execute_reads
 from unickpt.layouts.boxes import Box
-from unickpt.planning.exchange_plan import RankNeeds, plan_exchange
-from unickpt.planning.load_plan import plan_reads
+from unickpt.planning.exchange_plan import ExchangePlan, RankNeeds, plan_exchange
+from unickpt.planning.load_plan import ReadItem, plan_reads
 from unickpt.storage import LocalStorage
 
 SEG = 4096
@@ -105,21 +105,30 @@ def _without_shared_memory(path: str, world: int, config: Any) -> dict[str, Any]
         out: dict[str, Any] = {"no shm": (_equal(dest, world), report.bytes_read)}
         # Ranks grouped as one host, but creating the buffers fails on every owner.
         storage = LocalStorage(path)
-        _, meta = read_checkpoint(storage)
-        dest = _state(1, world, fill=False)
-        items = [
-            i
-            for k, t in dest.items()
-            for i in plan_reads(k, meta.tensors[k], meta.files, [(_box(t), t.to_local())])
-        ]
-        needs, needed = rank_needs(storage, items, True, meta.segment_bytes, world)
-        offers = [RankNeeds("host", n.token, n.needs) for n in _all_gather(needs)]
-        plan = plan_exchange(offers, meta.tensors, meta.files, SEG, SEG, 4 * SEG)
-        stats = run_exchange(Comm(), storage, plan, needed, config, True, meta.segment_bytes)
+        _, plan, _, needed = _one_host_plan(storage, world)
+        stats = run_exchange(Comm(), storage, plan, needed, config, True, SEG)
         out["refused"] = (len(plan.units) > 0, stats)
     finally:
         exchange.SHM_DIR = "/dev/shm"
     return out
+
+
+def _one_host_plan(
+    storage: LocalStorage, world: int
+) -> tuple[dict[str, Any], ExchangePlan, list[ReadItem], list[ReadItem]]:
+    """A blank ``Shard(1)`` state, the exchange plan of its load with every rank in one host
+    group, its read items and the items the exchange serves (same on every rank)."""
+    _, meta = read_checkpoint(storage)
+    dest = _state(1, world, fill=False)
+    items = [
+        i
+        for k, t in dest.items()
+        for i in plan_reads(k, meta.tensors[k], meta.files, [(_box(t), t.to_local())])
+    ]
+    needs, needed = rank_needs(storage, items, True, meta.segment_bytes, world)
+    offers = [RankNeeds("host", n.token, n.needs) for n in _all_gather(needs)]
+    plan = plan_exchange(offers, meta.tensors, meta.files, SEG, SEG, 4 * SEG)
+    return dest, plan, items, needed
 
 
 class _Unmappable(LocalStorage):
@@ -132,16 +141,7 @@ class _Unmappable(LocalStorage):
 def _unmapped(path: str, world: int, config: Any) -> tuple[bool, int, int, int]:
     """A rank that cannot map a unit another rank owns reads the unit's bytes instead."""
     storage = _Unmappable(path)
-    _, meta = read_checkpoint(storage)
-    dest = _state(1, world, fill=False)
-    items = [
-        i
-        for k, t in dest.items()
-        for i in plan_reads(k, meta.tensors[k], meta.files, [(_box(t), t.to_local())])
-    ]
-    needs, needed = rank_needs(storage, items, True, meta.segment_bytes, world)
-    offers = [RankNeeds("host", n.token, n.needs) for n in _all_gather(needs)]
-    plan = plan_exchange(offers, meta.tensors, meta.files, SEG, SEG, 4 * SEG)
+    dest, plan, items, needed = _one_host_plan(storage, world)
     stats = run_mapped_exchange(dist.get_rank(), storage, plan, needed, config, True, SEG)
     done = plan.exchanged(dist.get_rank())
     rest = [item for i, item in enumerate(needed) if i not in done]

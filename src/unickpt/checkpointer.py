@@ -257,6 +257,7 @@ class Checkpointer:
         if self._tier is not None:
             self._pending = self._tier.save(step, state)
             return self._pending
+        self._refuse_overwriting_a_base(step)
         target = self._step(step)
         inc = None
         if self._basis is not None:
@@ -405,6 +406,30 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _refuse_overwriting_a_base(self, step: int) -> None:
+        """Saving again over a committed step that other steps' incremental checkpoints refer to
+        would change the bytes they stand on: refused on every rank, before anything is written."""
+        message = None
+        if self._comm.is_coordinator:
+            committed = self.steps()
+            if step in committed:
+                name = step_name(step)
+                dependents = [
+                    s
+                    for s in committed
+                    if s != step and name in needed_steps(self.storage, [step_name(s)])
+                ]
+                if dependents:
+                    message = (
+                        f"step {step} is already saved in {self.storage.location} and the "
+                        f"incremental checkpoints of step(s) {', '.join(map(str, dependents))} "
+                        "refer to its bytes; saving over it would break them. Save under a new "
+                        "step number, or delete those steps first."
+                    )
+        message = self._comm.broadcast(message)
+        if message is not None:
+            raise CheckpointError(message)
 
     def _retain(self, newest: int, any_rank: bool = False) -> None:
         if self.keep_last is None or not (any_rank or self._comm.is_coordinator):

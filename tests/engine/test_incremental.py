@@ -141,6 +141,26 @@ def test_a_restarted_job_refers_to_the_newest_checkpoint(tmp_path: Path) -> None
         assert report is not None and report.bytes_written > frozen.nbytes
 
 
+def test_saving_over_a_step_others_refer_to_is_refused(tmp_path: Path) -> None:
+    frozen = torch.arange(300_000, dtype=torch.float32)
+    ckpt = unickpt.Checkpointer(tmp_path, incremental=True, async_save=False)
+    for step in range(3):
+        ckpt.save(step, _state(frozen, step))
+    with pytest.raises(unickpt.CheckpointError) as info:
+        ckpt.save(0, _state(frozen, 9))
+    assert str(info.value) == (
+        f"step 0 is already saved in {tmp_path} and the incremental checkpoints of step(s) 1, 2 "
+        "refer to its bytes; saving over it would break them. Save under a new step number, or "
+        "delete those steps first."
+    )
+    ckpt.save(2, _state(frozen, 7))  # nothing refers to the newest step: saved again
+    for step, value in ((0, 0), (1, 1), (2, 7)):
+        dest = _state(torch.zeros_like(frozen), -1)
+        unickpt.load(ckpt.path(step), dest)
+        assert torch.equal(dest["frozen"], frozen) and dest["meta"]["step"] == value
+    ckpt.close()
+
+
 def test_missing_or_damaged_referenced_step(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

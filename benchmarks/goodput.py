@@ -12,18 +12,19 @@ restarts it, until the steps are done. Every other failure also wipes node b's m
     seconds' worth of steps.
 
 Goodput is useful training time (steps x the measured time of a plain step) over wall time;
-work lost is the steps trained past the checkpoint a restart resumes from; restore is the time
-from a job's start until its state holds the values. Then a model scales the measured costs to
-1,024 GPUs with one failure an hour (assumptions printed with it).
+work lost is the steps trained past the checkpoint a restart resumes from (counted from the
+newest step any earlier job finished); restart is the time from the kill until the new job
+trains again (process start, imports, process group, model, restore); restore is the part of
+it in ``load_latest``, until the state holds the values, with where each rank's state came
+from. ``--batch`` sets a step's compute against the state's 48 MiB. Then a model scales the
+measured costs to 1,024 GPUs with one failure an hour (assumptions printed with it).
 
-python benchmarks/goodput.py --steps 600 --mtbf 20 --persist-s 20
-python benchmarks/goodput.py --minutes 2 --mtbf 15 --persist-s 10   # a short run
+python benchmarks/goodput.py --minutes 1 --mtbf 20 --persist-s 10
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -52,9 +53,9 @@ def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=1e-4)
 
 
-def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, batch: int) -> None:
     g = torch.Generator().manual_seed(step)
-    x = torch.randn(64, 1024, generator=g)
+    x = torch.randn(batch, 1024, generator=g)
     loss = model(x).square().mean()
     opt.zero_grad()
     loss.backward()
@@ -67,28 +68,33 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -
 def _rank(rank: int, world: int, port: int, a: dict[str, Any]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ["UNICKPT_NODE"] = f"node-{rank}"
-    t_start = time.perf_counter()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model, opt = _model()
-    state = {"model": model, "optim": opt, "step": 0}
+    state: dict[str, Any] = {"model": model, "optim": opt, "step": 0}
+    if a.get("extra_mib"):  # calibration only: a larger state, the same step
+        state["extra"] = torch.ones(a["extra_mib"] << 18)
     memory = None
     if a["mode"] == "memory":
         memory = unickpt.MemoryTier(
             persist_every=a["persist_every"], replicas=2, dir=a["dirs"][rank]
         )
     ckpt = unickpt.Checkpointer(a["root"], keep_last=2, memory=memory)
+    t0 = time.perf_counter()
     last = ckpt.load_latest(state)
-    restore_s = time.perf_counter() - t_start
+    restore_s = time.perf_counter() - t0  # until the state holds the values
     source = ckpt.last_restore.source if ckpt.last_restore else ("storage" if last else "none")
+    sources: list[Any] = [None] * world
+    dist.all_gather_object(sources, source)
     log = open(a["log"], "a") if rank == 0 else None  # noqa: SIM115 - appended to per step
     if log:
-        log.write(json.dumps({"start": last, "restore_s": restore_s, "source": source}) + "\n")
+        start = {"start": last, "restore_s": restore_s, "sources": sources, "at": time.time()}
+        log.write(json.dumps(start) + "\n")
         log.flush()
     first = 0 if last is None else last + 1
     stalls, steps = [], []
     for step in range(first, a["steps"]):
         t0 = time.perf_counter()
-        _train_step(model, opt, step)
+        _train_step(model, opt, step, a["batch"])
         steps.append(time.perf_counter() - t0)
         state["step"] = step
         if a["mode"] == "memory" or (a["mode"] == "storage" and step % a["every"] == 0):
@@ -101,7 +107,7 @@ def _rank(rank: int, world: int, port: int, a: dict[str, Any]) -> None:
     ckpt.close()
     if log:
         stall = statistics.median(stalls) if stalls else 0.0
-        done = {"done": True, "stall": stall, "step_s": statistics.median(steps)}
+        done = {"done": True, "stall": stall, "step_s": statistics.median(steps) if steps else 0.0}
         log.write(json.dumps(done) + "\n")
     dist.destroy_process_group()
 
@@ -113,22 +119,32 @@ def _job(a: dict[str, Any]) -> None:
     mp.start_processes(_rank, args=(2, port, a), nprocs=2, start_method="spawn")
 
 
+EXTRA_MIB = 192  # the calibration's second state size: the training state plus this
+
+
 def _calibrate(a: dict[str, Any]) -> dict[str, float]:
-    """Plain step time, and the stall of a storage and of a memory save (median, seconds)."""
+    """Plain step time, and the stall of a storage and of a memory save (median, seconds),
+    for the training state and for it plus ``EXTRA_MIB`` (``<mode>_big``), so that the
+    stall's fixed part and its cost per byte can be told apart."""
     out = {}
-    for mode, every in (("none", 10**9), ("storage", 1), ("memory", 1)):
+    runs = [("none", 10**9, 0), ("storage", 1, 0), ("memory", 1, 0)]
+    runs += [("storage", 1, EXTRA_MIB), ("memory", 1, EXTRA_MIB)]
+    for mode, every, extra in runs:
         root = tempfile.mkdtemp(prefix="goodput-cal-", dir=a["storage"])
+        shm = tempfile.mkdtemp(prefix="goodput-cal-", dir="/dev/shm")
         log = Path(root) / "log"
-        dirs = [f"{root}/mem-{r}" for r in (0, 1)]
+        dirs = [f"{shm}/node-{r}" for r in (0, 1)]
         job = {**a, "mode": mode, "every": every, "persist_every": 10**9, "root": root}
-        job.update(steps=20, log=str(log), dirs=dirs)
+        job.update(steps=20, log=str(log), dirs=dirs, extra_mib=extra)
         try:
             subprocess.run([sys.executable, __file__, "--job", json.dumps(job)], check=True)
             last = json.loads(log.read_text().splitlines()[-1])
         finally:
             shutil.rmtree(root, ignore_errors=True)
-        out[mode] = last["stall"]
-        out[f"{mode}_step"] = last["step_s"]
+            shutil.rmtree(shm, ignore_errors=True)
+        name = mode if extra == 0 else f"{mode}_big"
+        out[name] = last["stall"]
+        out[f"{name}_step"] = last["step_s"]
     return out
 
 
@@ -166,19 +182,15 @@ def _run(policy: str, a: dict[str, Any], cal: dict[str, float], rng: random.Rand
                 node = len(failures) % 2 == 1
                 if node:
                     shutil.rmtree(job["dirs"][1], ignore_errors=True)
-                failures.append({"node": node})
+                failures.append({"node": node, "killed_at": time.time()})
         wall = time.perf_counter() - t0
         lines = [json.loads(x) for x in log.read_text().splitlines()]
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
-    starts = [i for i, x in enumerate(lines) if "start" in x]
-    lost, restores = [], []
-    for prev, nxt in itertools.pairwise(starts):
-        done = [x["step"] for x in lines[prev:nxt] if "step" in x]
-        resumed = lines[nxt]["start"]
-        lost.append((done[-1] if done else -1) - (-1 if resumed is None else resumed))
-        restores.append((lines[nxt]["restore_s"], lines[nxt]["source"]))
+    lost, restores = lost_work(lines)
+    starts = [x for x in lines if "start" in x][1:]
+    restarts = [s["at"] - f["killed_at"] for s, f in zip(starts, failures)]
     useful = a["steps"] * cal["step"]
     return {
         "policy": policy,
@@ -187,33 +199,89 @@ def _run(policy: str, a: dict[str, Any], cal: dict[str, float], rng: random.Rand
         "failures": len(failures),
         "lost_steps": lost,
         "restores": restores,
+        "restarts_s": restarts,
     }
+
+
+def _spread(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    return f"{statistics.median(xs):.2f} s ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def _run_row(r: dict[str, Any], step_s: float) -> str:
+    lost = statistics.mean(r["lost_steps"]) if r["lost_steps"] else 0.0
+    rest = _spread([t for t, _ in r["restores"]])
+    sources = {src: sum(1 for _, s in r["restores"] if s == src) for _, src in r["restores"]}
+    where = ", ".join(f"{src} {n}" for src, n in sources.items()) or "-"
+    return (
+        f"| {r['policy']} | {r['failures']} | {r['wall_s']:.0f} s | {r['goodput']:.2f} | "
+        f"{lost:.1f} steps ({lost * step_s:.1f} s) | {_spread(r['restarts_s'])} | {rest} | "
+        f"{where} |"
+    )
+
+
+def lost_work(lines: list[dict[str, Any]]) -> tuple[list[int], list[tuple[float, str]]]:
+    """Per restart: the steps trained past the step it resumed from, and its restore.
+
+    A job may be killed before it trains a step; the progress it had then is the newest step
+    any earlier job finished, so the steps lost are counted from the high-water mark, never
+    from the job just before.
+    """
+    lost, restores = [], []
+    done = -1  # the newest step finished so far, over every earlier job
+    starts = 0
+    for x in lines:
+        if "step" in x:
+            done = max(done, x["step"])
+        elif "start" in x:
+            starts += 1
+            if starts > 1:  # the first start is the job's beginning, not a restart
+                lost.append(done - (-1 if x["start"] is None else x["start"]))
+                restores.append((x["restore_s"], "+".join(sorted(set(x["sources"])))))
+    return lost, restores
+
+
+def _policy_row(name: str, interval: float, stall: float, restore: float, a: dict) -> str:
+    """Goodput of saving after every ``interval`` s of training at a cost of ``stall`` s.
+
+    Each period is ``interval`` of work plus the stall; a failure loses half a period on
+    average plus the restore and the restart: goodput = interval / (interval + stall) x
+    (1 - lost / MTBF).
+    """
+    period = interval + stall
+    lost = period / 2 + restore + a["scale_restart_s"]
+    good = interval / period * (1 - lost / a["scale_mtbf_s"])
+    return f"| {name} | {interval:.0f} s | {stall * 1e3:.0f} ms | {lost:.1f} s | {good:.4f} |"
+
+
+def _stall_at(cal: dict[str, float], mode: str, nbytes: float, a: dict[str, Any]) -> float:
+    """A save's stall for ``nbytes`` per rank: fixed part plus cost per byte, from the two
+    calibration sizes (each rank saves half of the replicated state)."""
+    small = a["state_bytes"] / 2
+    big = small + (EXTRA_MIB << 20) / 2
+    per_byte = max(0.0, (cal[f"{mode}_big"] - cal[mode]) / (big - small))
+    fixed = max(0.0, cal[mode] - per_byte * small)
+    return fixed + per_byte * nbytes
 
 
 def scale_model(cal: dict[str, float], a: dict[str, Any]) -> list[str]:
     """Goodput at 1,024 GPUs, one failure an hour, from the measured per-rank costs."""
-    m = 3600.0  # mean time between failures of the job, seconds
+    m = a["scale_mtbf_s"]
     step = a["scale_step_s"]
-    restart = a["scale_restart_s"]
     per_gpu = a["scale_gib_per_gpu"] * 2**30
-    measured = a["state_bytes"]
-    stall_s = cal["storage"] * per_gpu / measured  # snapshot stall, per byte measured
+    stall_s = _stall_at(cal, "storage", per_gpu, a)
+    mem_stall = _stall_at(cal, "memory", per_gpu, a)
     write_s = 1024 * per_gpu / (a["scale_storage_gbs"] * 1e9)  # shared storage bandwidth
-    mem_stall = cal["memory"] * per_gpu / measured
-    # (a) Young's interval, but no shorter than a write to the shared storage takes
-    interval = max(math.sqrt(2 * stall_s * m), write_s)
-    read_s = write_s
-    lost_a = interval / 2 + read_s + restart
-    good_a = (1 - stall_s / interval) * (1 - lost_a / m)
-    # (b) memory every step: half a step lost, restore from local or peer memory at copy speed
-    restore_b = a["scale_restore_gbs_inv"] * per_gpu / 1e9
-    lost_b = step / 2 + restore_b + restart
-    good_b = (1 - mem_stall / step) * (1 - lost_b / m)
+    restore_mem = per_gpu / (a["scale_restore_gbs"] * 1e9)
+    # (a) Young's interval, no shorter than a write of every GPU's state to shared storage
+    interval_a = max(math.sqrt(2 * stall_s * m), write_s)
+    # (b) memory every step; (b') the memory tier at Young's interval for its own stall
+    interval_b = max(math.sqrt(2 * mem_stall * m), step)
     return [
-        f"| (a) storage every {interval:.0f} s | {stall_s * 1e3:.0f} ms | "
-        f"{lost_a:.0f} s | {good_a:.4f} |",
-        f"| (b) memory every step ({step:.1f} s) | {mem_stall * 1e3:.0f} ms | "
-        f"{lost_b:.1f} s | {good_b:.4f} |",
+        _policy_row("(a) storage, Young's interval", interval_a, stall_s, write_s, a),
+        _policy_row("(b) memory tier every step", step, mem_stall, restore_mem, a),
+        _policy_row("(b') memory tier, Young's interval", interval_b, mem_stall, restore_mem, a),
     ]
 
 
@@ -232,12 +300,19 @@ def main() -> None:
     p.add_argument("--persist-s", type=float, default=20.0, help="memory tier: persist period")
     p.add_argument("--storage", default=tempfile.gettempdir(), help="where storage saves go")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=256,
+        help="rows per step: sets the step's compute against the state's 48 MiB",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.job:
         _job(json.loads(args.job))
         return
     a: dict[str, Any] = {"steps": args.steps, "storage": args.storage, "mtbf": args.mtbf}
+    a["batch"] = args.batch
     cal = _calibrate(a)
     cal["step"] = cal["none_step"]
     if args.minutes is not None:
@@ -248,20 +323,30 @@ def main() -> None:
     a["persist_every"] = max(1, round(args.persist_s / cal["step"]))
     rng = random.Random(args.seed)
     runs = [_run(policy, a, cal, rng) for policy in ("storage", "memory")]
-    print(f"step {cal['step'] * 1e3:.0f} ms (measured); storage every {a['every']} steps; ")
-    print(f"memory tier every step, persisting every {a['persist_every']} steps")
-    print("| policy | failures | goodput | work lost per failure (steps) | restore per failure |")
-    print("| --- | --- | --- | --- | --- |")
+    print(
+        f"step {cal['step'] * 1e3:.0f} ms, save stall: storage {cal['storage'] * 1e3:.0f} ms, "
+        f"memory tier {cal['memory'] * 1e3:.0f} ms (medians, measured); "
+        f"{a['steps']} steps; storage every {a['every']} steps; memory tier every step, "
+        f"persisting every {a['persist_every']} steps"
+    )
+    print(
+        "| policy | failures | wall | goodput | work lost per failure (mean) | restart: kill "
+        "to training again | of which restore | restored from (ranks' sources) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in runs:
-        lost = statistics.mean(r["lost_steps"]) if r["lost_steps"] else 0.0
-        rest = ", ".join(f"{s:.1f} s {src}" for s, src in r["restores"]) or "-"
-        print(f"| {r['policy']} | {r['failures']} | {r['goodput']:.2f} | {lost:.1f} | {rest} |")
-    a.update(scale_step_s=1.0, scale_restart_s=60.0, scale_gib_per_gpu=2.0)
-    a.update(scale_storage_gbs=50.0, scale_restore_gbs_inv=1 / 5.0)
+        print(_run_row(r, cal["step"]))
+    a.update(scale_step_s=1.0, scale_restart_s=60.0, scale_gib_per_gpu=2.0, scale_mtbf_s=3600.0)
+    a.update(scale_storage_gbs=50.0, scale_restore_gbs=5.0)
     print("\n1,024 GPUs, one failure an hour; 2 GiB of state per GPU, 1 s steps, 60 s restart,")
-    print("50 GB/s shared storage, 5 GB/s memory/peer restore per GPU; stalls scaled from here:")
-    print("| policy | stall per save | lost per failure | goodput |")
-    print("| --- | --- | --- | --- |")
+    print("50 GB/s shared storage, 5 GB/s memory/peer restore per GPU; stalls from the fixed")
+    print(
+        f"part and cost per byte measured here (state and state + {EXTRA_MIB} MiB: storage "
+        f"{cal['storage'] * 1e3:.0f}/{cal['storage_big'] * 1e3:.0f} ms, memory tier "
+        f"{cal['memory'] * 1e3:.0f}/{cal['memory_big'] * 1e3:.0f} ms):"
+    )
+    print("| policy | interval | stall per save | lost per failure | goodput |")
+    print("| --- | --- | --- | --- | --- |")
     for line in scale_model(cal, a):
         print(line)
     if args.json:

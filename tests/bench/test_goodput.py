@@ -1,0 +1,35 @@
+"""The goodput script's accounting of lost work (benchmarks/goodput.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+
+def _goodput() -> ModuleType:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "goodput.py"
+    spec = importlib.util.spec_from_file_location("goodput_script", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _start(step: int | None, *sources: str) -> dict:
+    return {"start": step, "restore_s": 0.5, "sources": list(sources), "at": 0.0}
+
+
+def test_lost_work_counts_from_the_newest_step_any_job_finished() -> None:
+    lines = [
+        _start(None, "none", "none"),
+        *({"step": s} for s in range(8)),  # the first job trains steps 0-7, saved up to 6
+        _start(6, "memory", "peer"),  # lost: step 7
+        _start(6, "memory", "memory"),  # killed before training a step: lost step 7 again
+        {"step": 7},
+        {"step": 8},
+        _start(None, "none", "none"),  # nothing survived: steps 0-8 lost
+    ]
+    lost, restores = _goodput().lost_work(lines)
+    assert lost == [1, 1, 9]
+    assert restores == [(0.5, "memory+peer"), (0.5, "memory"), (0.5, "none")]

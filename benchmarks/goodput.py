@@ -4,7 +4,8 @@ A small MLP with Adam trains ``--steps`` steps on two ranks that act as two node
 (``UNICKPT_NODE``), while the driver kills the whole job (SIGKILL, every rank) after a random
 time drawn with mean ``--mtbf`` seconds (counted once the job has restored its state), and
 restarts it, until the steps are done. Every other failure also wipes node b's memory folder
-(a node lost with its memory). Two policies:
+(a node lost with its memory; the storage files are dropped from the page cache then, so a
+restore from storage reads the disk). Two policies:
 
 (a) storage: an asynchronous checkpoint to ``--storage`` every K steps, K from Young's formula
     sqrt(2 * stall * MTBF) with the stall measured in a calibration run;
@@ -148,6 +149,22 @@ def _calibrate(a: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _evict(root: Path) -> None:
+    """Drop the storage files under ``root`` from the page cache (a lost node's cache is gone;
+    shared storage is read from the far side), so a restore from storage reads the disk."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # a retired step, removed by a dying rank
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def _wait_started(log: Path, starts: int, proc: subprocess.Popen[bytes]) -> None:
     """Until the job's ``starts``-th start is logged (its state restored) or it ended."""
     while proc.poll() is None:
@@ -180,8 +197,9 @@ def _run(policy: str, a: dict[str, Any], cal: dict[str, float], rng: random.Rand
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 node = len(failures) % 2 == 1
-                if node:
+                if node:  # a node lost: its memory, and what its page cache held
                     shutil.rmtree(job["dirs"][1], ignore_errors=True)
+                    _evict(Path(root))
                 failures.append({"node": node, "killed_at": time.time()})
         wall = time.perf_counter() - t0
         lines = [json.loads(x) for x in log.read_text().splitlines()]

@@ -173,16 +173,31 @@ def _plan_sharing(
     The chunks other ranks need parts of are read from their indexes first: a step of its own,
     so that a rank failing to read them fails before any rank enters the exchange."""
     if plan.chunks is not None:
-        asked: dict[str, list[Box]] = {}
-        for offer in offers:
-            for need in offer.needs if offer is not None else ():
-                asked.setdefault(need.key, []).append(need.region)
-        plan.meta = plan.chunks.load(asked)
+        asked = _others_chunks(plan.meta, offers)
+        if asked:
+            plan.meta = plan.chunks.load(asked)
     seg = plan.meta.segment_bytes
     unit = _unit_bytes(storage, config, seg)
     return plan_exchange(
         offers, plan.meta.tensors, plan.meta.files, seg, unit, unit * config.io_threads
     )
+
+
+def _others_chunks(meta: Metadata, offers: list[RankNeeds | None]) -> dict[str, list[Box]]:
+    """The regions of every tensor in which some rank needs a chunk this rank has not read
+    from its index yet (none when every rank needs parts of the chunks this rank needs parts
+    of, as in a load into another layout on one host)."""
+    known: dict[str, set[tuple[str, int]]] = {}
+    asked: dict[str, list[Box]] = {}
+    for offer in offers:
+        for need in offer.needs if offer is not None else ():
+            have = known.get(need.key)
+            if have is None:
+                chunks = meta.tensors[need.key].chunks
+                have = known[need.key] = {(meta.files[c.file], c.byte_offset) for c in chunks}
+            if (need.file, need.byte_offset) not in have:
+                asked.setdefault(need.key, []).append(need.region)
+    return asked
 
 
 def _exchange(comm: Comm, storage: Storage, plan: _Plan, config: Config) -> _Shared | None:

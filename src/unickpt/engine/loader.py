@@ -170,8 +170,9 @@ def _plan_sharing(
     storage: Storage, plan: _Plan, offers: list[RankNeeds | None], config: Config
 ) -> ExchangePlan:
     """The exchange plan of every host group, from every rank's needs (the same on every rank).
-    The chunks other ranks need parts of are read from their indexes first: a step of its own,
-    so that a rank failing to read them fails before any rank enters the exchange."""
+    The chunks other ranks need parts of that this rank has not read yet are read from their
+    indexes first: a step of its own, so that a rank failing to read them fails before any rank
+    enters the exchange."""
     if plan.chunks is not None:
         asked = _others_chunks(plan.meta, offers)
         if asked:

@@ -3,19 +3,22 @@
 The exchange plan says which rank owns (reads and verifies) each unit of a chunk that several
 ranks of one host need parts of. With files the kernel already keeps one copy of every page
 read, shared by all processes of the host, so no buffer of our own and no step-by-step
-hand-over between ranks is needed: every rank maps the byte ranges of the units it needs parts
-of; an owner verifies every checksum segment of its unit straight from the mapping, and every
-rank copies its parts straight out of it. Nothing waits for another rank, so reading, hashing
-and copying overlap fully across ranks and threads, and no byte is copied twice.
+hand-over between ranks is needed: every rank maps, once per file, the byte span of the units
+it needs parts of; an owner verifies every checksum segment of its unit straight from the
+mapping, copying its own rows of each segment right after hashing it (still in the processor's
+cache), and every rank copies its parts straight out of the mapping. Nothing waits for another
+rank, so reading, hashing and copying overlap fully across ranks and threads, and no byte is
+copied twice.
 
 A rank may copy a part before the owner has verified the unit: when the owner finds damage its
 error fails the load on every rank (the caller's step gathers errors), as damage found in a
 rank's own reads does; values already copied are never reported as loaded.
 
 Bytes read: each unit once on the host (the owner's, counted in its report; through the
-mapping, so the kernel's read-call counters do not see it). A rank that cannot map a unit reads
-its bytes into a scratch buffer instead (counted). Peak extra memory: one mapped unit per
-thread (page-cache pages), and a scratch buffer per thread only where mapping failed.
+mapping, so the kernel's read-call counters do not see it). A rank that cannot map a file reads
+its units' bytes into a scratch buffer instead (counted). Peak extra memory: the page tables of
+the mapped spans (the pages are the page cache's own), kept until the exchange ends, and a
+scratch buffer per thread only where mapping failed.
 """
 
 from __future__ import annotations

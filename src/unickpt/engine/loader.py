@@ -116,7 +116,11 @@ def load(
         return None, needs
 
     _, offers = run_step(comm, "planning the load", prepare)
-    if any(o is not None and o.needs for o in offers):  # the same on every rank
+    sharing = any(o is not None and o.needs for o in offers)  # the same on every rank
+    if sharing and not storage.maps_files:
+        # The exchange through shared memory runs collectives: a rank failing to plan it must
+        # fail before any rank enters it. Mapped files share without one, so they are planned
+        # within the load's own step (one gather fewer); a failure there is gathered at its end.
 
         def share() -> tuple[None, None]:
             plan.sharing = _plan_sharing(storage, plan, offers, config)
@@ -125,6 +129,8 @@ def load(
         run_step(comm, "planning the load", share)
 
     def place() -> tuple[LoadReport | None, None]:
+        if sharing and storage.maps_files:
+            plan.sharing = _plan_sharing(storage, plan, offers, config)
         with torch.no_grad():
             shared = _exchange(comm, storage, plan, config)
             if shared is None:
@@ -171,8 +177,7 @@ def _plan_sharing(
 ) -> ExchangePlan:
     """The exchange plan of every host group, from every rank's needs (the same on every rank).
     The chunks other ranks need parts of that this rank has not read yet are read from their
-    indexes first: a step of its own, so that a rank failing to read them fails before any rank
-    enters the exchange."""
+    indexes first."""
     if plan.chunks is not None:
         asked = _others_chunks(plan.meta, offers)
         if asked:

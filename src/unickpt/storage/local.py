@@ -181,8 +181,8 @@ class LocalStorage(Storage):
         fd = self._reader_fd(name)
         if os.fstat(fd).st_size < offset + length:
             return None  # mapping past the end would fault on access; the caller reads instead
-        # From a multiple of 2 MiB: the kernel then places the mapping so that the page cache's
-        # huge pages can be mapped whole (one page fault, one entry per 2 MiB).
+        # From a multiple of 2 MiB: the kernel then places the mapping so that huge pages of the
+        # page cache, where it holds them, are mapped whole (x86-64: one fault per 2 MiB).
         start = offset // _HUGE * _HUGE
         prot = mmap.PROT_READ | mmap.PROT_WRITE  # copy on write: tensors want a writable buffer
         mapped = mmap.mmap(fd, offset + length - start, mmap.MAP_PRIVATE, prot, offset=start)

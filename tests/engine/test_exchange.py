@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ def _tensors() -> dict[str, torch.Tensor]:
         "a": torch.randn(256, 96, generator=g),  # chunks of 48 KiB: 12 segments, 12 units
         "b": torch.randn(33, 40, generator=g).to(torch.bfloat16),  # rows split 17 / 16
         "c": torch.randint(-1000, 1000, (10, 12), generator=g, dtype=torch.int64),
+        "d": torch.randn(8, 24, 40, generator=g),  # 3-D: rows of 20 of 40 elements
     }
 
 
@@ -90,9 +92,33 @@ def _loads(rank: int, world: int, root: str) -> dict[str, Any]:
             out[prefix + "damaged"] = None
         except unickpt.CheckpointError as e:
             out[prefix + "damaged"] = (type(e).__name__, str(e))
+    out["late damage"] = _late_damage(f"{root}/late", world, small)
     out["leftovers"] = sorted(_buffers() - before)
     out.update(_without_shared_memory(f"{root}/intact", world, small))
     return out
+
+
+def _late_damage(path: str, world: int, config: Any) -> tuple[str, str, int, int] | None:
+    """Damage in the last segment of a chunk: its owner has copied rows of earlier segments by
+    then, and still fails the load on every rank. (error class, message, damaged byte, file)"""
+    unickpt.save(path, _state(0, world, fill=True), config=config)
+    _, meta = read_checkpoint(LocalStorage(path))
+    chunk = meta.tensors["a"].chunks[0]
+    name = meta.files[chunk.file]
+    damaged = chunk.byte_offset + chunk.nbytes - 5
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(f"{path}/{name}", "r+b") as f:
+            f.seek(damaged)
+            byte = f.read(1)
+            f.seek(damaged)
+            f.write(bytes([byte[0] ^ 0x01]))
+    dist.barrier()
+    try:
+        unickpt.load(path, _state(1, world, fill=False), config=config)
+    except unickpt.CheckpointError as e:
+        return type(e).__name__, str(e), damaged, chunk.file
+    return None
 
 
 def _without_shared_memory(path: str, world: int, config: Any) -> dict[str, Any]:
@@ -191,6 +217,18 @@ def test_shard0_into_shard1_reads_every_byte_once_and_finds_damage(tmp_path: Pat
         kind, message = errors[0]
         assert kind == "CheckpointCorruptError"
         assert "loading failed on 1 of 2 ranks" in message and "checksum mismatch" in message
+    # Damage in a chunk's last segment, found by the owner after copying earlier rows.
+    late = [r["late damage"] for r in results]
+    assert late[0] is not None and late[0] == late[1]
+    kind, message, damaged, _ = late[0]
+    assert kind == "CheckpointCorruptError"
+    assert "loading failed on 1 of 2 ranks" in message
+    found = re.search(
+        r"checksum mismatch in (\S+) bytes \[(\d+), (\d+)\) holding tensor 'a'", message
+    )
+    assert found is not None, message
+    assert found.group(1).startswith("data-") and "load an earlier checkpoint" in message
+    assert int(found.group(2)) <= damaged < int(found.group(3))
     assert [r["leftovers"] for r in results] == [[], []]
     # Without shared memory every rank reads alone, with the same values.
     assert [r["no shm"] for r in results] == [(True, total), (True, total)]

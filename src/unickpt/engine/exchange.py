@@ -32,11 +32,11 @@ import torch
 
 from ..config import Config
 from ..dist import Comm, RankFailure, failure_of
-from ..layouts.boxes import row_major_strides
-from ..planning.exchange_plan import ExchangePlan, Need, RankNeeds, Unit, flat_span
+from ..planning.exchange_plan import ExchangePlan, Need, RankNeeds, Unit
 from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
 from .read import ChunkRef, is_direct, local_read_bytes, read_chunk_bytes
+from .unit_copy import copy_parts
 
 SHM_DIR = "/dev/shm"
 MAX_GATHERED_NEEDS = 200_000
@@ -177,22 +177,6 @@ def _copier(
         return 0, placed, placed if u.owner != rank else 0
 
     return run
-
-
-def copy_parts(raw: torch.Tensor, u: Unit, needed: Sequence[ReadItem], rank: int) -> int:
-    """Copy ``rank``'s parts of unit ``u`` out of ``raw`` (the unit's bytes); bytes placed."""
-    strides = row_major_strides(u.chunk.lengths)
-    placed = 0
-    for p in u.parts:
-        if p.rank != rank:
-            continue
-        item = needed[p.need]
-        typed = raw.view(item.dest.dtype)
-        first = typed.storage_offset() - u.lo // u.itemsize + flat_span(u.chunk, p.box)[0]
-        src = torch.as_strided(typed, p.box.lengths, strides, first)
-        item.dest[p.box.relative_to(item.region)].copy_(src)
-        placed += p.box.numel * u.itemsize
-    return placed
 
 
 class _Buffers:

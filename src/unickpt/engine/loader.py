@@ -116,7 +116,11 @@ def load(
         return None, needs
 
     _, offers = run_step(comm, "planning the load", prepare)
-    if any(o is not None and o.needs for o in offers):  # the same on every rank
+    sharing = any(o is not None and o.needs for o in offers)  # the same on every rank
+    if sharing and not storage.maps_files:
+        # The exchange through shared memory runs collectives: a rank failing to plan it must
+        # fail before any rank enters it. Mapped files share without one, so they are planned
+        # within the load's own step (one gather fewer); a failure there is gathered at its end.
 
         def share() -> tuple[None, None]:
             plan.sharing = _plan_sharing(storage, plan, offers, config)
@@ -125,6 +129,8 @@ def load(
         run_step(comm, "planning the load", share)
 
     def place() -> tuple[LoadReport | None, None]:
+        if sharing and storage.maps_files:
+            plan.sharing = _plan_sharing(storage, plan, offers, config)
         with torch.no_grad():
             shared = _exchange(comm, storage, plan, config)
             if shared is None:
@@ -170,19 +176,34 @@ def _plan_sharing(
     storage: Storage, plan: _Plan, offers: list[RankNeeds | None], config: Config
 ) -> ExchangePlan:
     """The exchange plan of every host group, from every rank's needs (the same on every rank).
-    The chunks other ranks need parts of are read from their indexes first: a step of its own,
-    so that a rank failing to read them fails before any rank enters the exchange."""
+    The chunks other ranks need parts of that this rank has not read yet are read from their
+    indexes first."""
     if plan.chunks is not None:
-        asked: dict[str, list[Box]] = {}
-        for offer in offers:
-            for need in offer.needs if offer is not None else ():
-                asked.setdefault(need.key, []).append(need.region)
-        plan.meta = plan.chunks.load(asked)
+        asked = _others_chunks(plan.meta, offers)
+        if asked:
+            plan.meta = plan.chunks.load(asked)
     seg = plan.meta.segment_bytes
     unit = _unit_bytes(storage, config, seg)
     return plan_exchange(
         offers, plan.meta.tensors, plan.meta.files, seg, unit, unit * config.io_threads
     )
+
+
+def _others_chunks(meta: Metadata, offers: list[RankNeeds | None]) -> dict[str, list[Box]]:
+    """The regions of every tensor in which some rank needs a chunk this rank has not read
+    from its index yet (none when every rank needs parts of the chunks this rank needs parts
+    of, as in a load into another layout on one host)."""
+    known: dict[str, set[tuple[str, int]]] = {}
+    asked: dict[str, list[Box]] = {}
+    for offer in offers:
+        for need in offer.needs if offer is not None else ():
+            have = known.get(need.key)
+            if have is None:
+                chunks = meta.tensors[need.key].chunks
+                have = known[need.key] = {(meta.files[c.file], c.byte_offset) for c in chunks}
+            if (need.file, need.byte_offset) not in have:
+                asked.setdefault(need.key, []).append(need.region)
+    return asked
 
 
 def _exchange(comm: Comm, storage: Storage, plan: _Plan, config: Config) -> _Shared | None:

@@ -3,19 +3,22 @@
 The exchange plan says which rank owns (reads and verifies) each unit of a chunk that several
 ranks of one host need parts of. With files the kernel already keeps one copy of every page
 read, shared by all processes of the host, so no buffer of our own and no step-by-step
-hand-over between ranks is needed: every rank maps the byte ranges of the units it needs parts
-of; an owner verifies every checksum segment of its unit straight from the mapping, and every
-rank copies its parts straight out of it. Nothing waits for another rank, so reading, hashing
-and copying overlap fully across ranks and threads, and no byte is copied twice.
+hand-over between ranks is needed: every rank maps, once per file, the byte span of the units
+it needs parts of; an owner verifies every checksum segment of its unit straight from the
+mapping, copying its own rows of each segment right after hashing it (still in the processor's
+cache), and every rank copies its parts straight out of the mapping. Nothing waits for another
+rank, so reading, hashing and copying overlap fully across ranks and threads, and no byte is
+copied twice.
 
 A rank may copy a part before the owner has verified the unit: when the owner finds damage its
 error fails the load on every rank (the caller's step gathers errors), as damage found in a
 rank's own reads does; values already copied are never reported as loaded.
 
 Bytes read: each unit once on the host (the owner's, counted in its report; through the
-mapping, so the kernel's read-call counters do not see it). A rank that cannot map a unit reads
-its bytes into a scratch buffer instead (counted). Peak extra memory: one mapped unit per
-thread (page-cache pages), and a scratch buffer per thread only where mapping failed.
+mapping, so the kernel's read-call counters do not see it). A rank that cannot map a file reads
+its units' bytes into a scratch buffer instead (counted). Peak extra memory: the page tables of
+the mapped spans (the pages are the page cache's own), kept until the exchange ends, and a
+scratch buffer per thread only where mapping failed.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from ..format.dtypes import buffer_of
 from ..planning.exchange_plan import ExchangePlan, Unit
 from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
-from .exchange import ExchangeStats, copy_parts
-from .read import ChunkRef, check_segments, read_chunk_bytes
+from .exchange import ExchangeStats
+from .read import ChunkRef, read_chunk_bytes
+from .unit_copy import copy_parts, verify_and_copy
 
 
 def run_mapped_exchange(
@@ -47,16 +51,65 @@ def run_mapped_exchange(
     """Fill this rank's exchanged items (``needed[i]`` for need ``i``); no collective."""
     tasks: list[Callable[[], tuple[int, int, int]]] = []
     scratch = _Scratch()
-    for u in sorted(plan.units, key=lambda u: (u.file, u.chunk.byte_offset + u.lo)):
+    mine = [u for u in plan.units if u.owner == rank or any(p.rank == rank for p in u.parts)]
+    maps = _Maps(storage, mine)
+    for u in sorted(mine, key=lambda u: (u.file, u.chunk.byte_offset + u.lo)):
         if u.owner == rank:
-            tasks.append(_owned(storage, scratch, u, needed, rank, verify, segment))
-        elif any(p.rank == rank for p in u.parts):
-            tasks.append(_shared(storage, scratch, u, needed, rank))
+            tasks.append(_owned(storage, maps, scratch, u, needed, rank, verify, segment))
+        else:
+            tasks.append(_shared(storage, maps, scratch, u, needed, rank))
     totals = [0, 0, 0]
-    with ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-map") as pool:
-        for counts in pool.map(lambda t: t(), tasks):
-            totals = [a + b for a, b in zip(totals, counts)]
+    try:
+        with ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-map") as pool:
+            for counts in pool.map(lambda t: t(), tasks):
+                totals = [a + b for a, b in zip(totals, counts)]
+    finally:
+        maps.close()
     return ExchangeStats(totals[0], totals[1], totals[2])
+
+
+class _Maps:
+    """One mapping per file of the bytes this rank's units span, made by the first thread that
+    needs it and kept until the exchange ends: one ``mmap`` and one ``munmap`` per file instead
+    of one per unit (each unmapping interrupts every processor running a thread of the process
+    to flush its address translations), and large enough for the kernel to map the page cache's
+    huge pages whole."""
+
+    def __init__(self, storage: Storage, units: Sequence[Unit]) -> None:
+        self.storage = storage
+        self.spans: dict[str, tuple[int, int]] = {}
+        for u in units:
+            lo, hi = u.chunk.byte_offset + u.lo, u.chunk.byte_offset + u.hi
+            a, b = self.spans.get(u.file, (lo, hi))
+            self.spans[u.file] = (min(a, lo), max(b, hi))
+        self.lock = threading.Lock()
+        self.maps: dict[str, torch.Tensor | None] = {}
+
+    def view(self, u: Unit) -> torch.Tensor | None:
+        """The unit's bytes as a uint8 tensor over the mapping, or None if it cannot be mapped."""
+        with self.lock:
+            if u.file not in self.maps:
+                lo, hi = self.spans[u.file]
+                view = self.storage.map_range(u.file, lo, hi - lo)
+                self.maps[u.file] = None if view is None else _tensor(view)
+            mapped = self.maps[u.file]
+        if mapped is None:
+            return None
+        start = u.chunk.byte_offset + u.lo - self.spans[u.file][0]
+        return mapped[start : start + u.hi - u.lo]
+
+    def close(self) -> None:
+        """Drop the mappings (each is unmapped once the last view of it is freed)."""
+        with self.lock:
+            self.maps.clear()
+
+
+def _tensor(view: memoryview) -> torch.Tensor:
+    return (
+        torch.frombuffer(view, dtype=torch.uint8)
+        if len(view)
+        else torch.empty(0, dtype=torch.uint8)
+    )
 
 
 class _Scratch(threading.local):
@@ -74,6 +127,7 @@ class _Scratch(threading.local):
 
 def _owned(
     storage: Storage,
+    maps: _Maps,
     scratch: _Scratch,
     u: Unit,
     needed: Sequence[ReadItem],
@@ -84,41 +138,40 @@ def _owned(
     """Read and verify a unit this rank owns, copy its own parts; (read, placed, 0)."""
 
     def run() -> tuple[int, int, int]:
-        ref = ChunkRef(u.key, u.file, u.chunk)
-        start, size = u.chunk.byte_offset + u.lo, u.hi - u.lo
-        view = storage.map_range(u.file, start, size)
-        if view is None:
+        size = u.hi - u.lo
+        raw = maps.view(u)
+        if raw is None:
             raw = scratch.take(size)
+            ref = ChunkRef(u.key, u.file, u.chunk)
             read_chunk_bytes(storage, ref, u.lo, raw, verify, segment)
-        else:
-            raw = torch.frombuffer(view, dtype=torch.uint8)
-            if verify and u.chunk.checksums:
-                check_segments(ref, u.lo, raw, segment)
-        placed = copy_parts(raw, u, needed, rank)
-        del raw, view  # unmaps now: at most one unit per thread stays mapped
-        return size, placed, 0
+            return size, copy_parts(raw, u, needed, rank), 0
+        if verify and u.chunk.checksums:
+            return size, verify_and_copy(raw, u, needed, rank, segment), 0
+        return size, copy_parts(raw, u, needed, rank), 0
 
     return run
 
 
 def _shared(
-    storage: Storage, scratch: _Scratch, u: Unit, needed: Sequence[ReadItem], rank: int
+    storage: Storage,
+    maps: _Maps,
+    scratch: _Scratch,
+    u: Unit,
+    needed: Sequence[ReadItem],
+    rank: int,
 ) -> Callable[[], tuple[int, int, int]]:
     """Copy this rank's parts of a unit another rank owns (and verifies) out of the page cache;
     (bytes read where it could not be mapped, placed, placed)."""
 
     def run() -> tuple[int, int, int]:
-        start, size = u.chunk.byte_offset + u.lo, u.hi - u.lo
-        view = storage.map_range(u.file, start, size)
+        raw = maps.view(u)
         read = 0
-        if view is None:
+        if raw is None:
+            size = u.hi - u.lo
             raw = scratch.take(size)
-            storage.read_into(u.file, start, buffer_of(raw))
+            storage.read_into(u.file, u.chunk.byte_offset + u.lo, buffer_of(raw))
             read = size
-        else:
-            raw = torch.frombuffer(view, dtype=torch.uint8)
         placed = copy_parts(raw, u, needed, rank)
-        del raw, view  # unmaps now: at most one unit per thread stays mapped
         return read, placed, placed
 
     return run

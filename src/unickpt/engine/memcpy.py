@@ -26,3 +26,34 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
         np.copyto(byte_view(dst).numpy(), byte_view(src).numpy())
     else:
         dst.copy_(src, non_blocking=non_blocking)
+
+
+_MAX_ROW_BYTES = 2**30  # NumPy's void items are limited in size; longer rows copy as bytes
+
+
+def host_rows(t: torch.Tensor) -> np.ndarray | None:
+    """A NumPy view of a CPU tensor whose last dimension is contiguous, one opaque item per
+    row (so that copying it is one memcpy per row); None where torch must copy it."""
+    if t.device.type != "cpu" or t.dim() == 0 or t.stride(-1) != 1 or t.numel() == 0:
+        return None
+    t = t.detach()
+    run = t.shape[-1] * t.element_size()
+    if run > _MAX_ROW_BYTES:
+        return None
+    try:
+        raw = t if t.dtype == torch.uint8 else t.view(torch.uint8)
+    except RuntimeError:
+        return None
+    return raw.numpy().view(np.dtype((np.void, run)))  # type: ignore[no-any-return]
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for same-shaped, same-dtype tensors; CPU tensors whose rows are
+    contiguous are copied one memcpy per row through NumPy (no OpenMP region), others by torch.
+    """
+    d = host_rows(dst) if dst.dtype == src.dtype else None
+    s = host_rows(src) if d is not None else None
+    if d is None or s is None:
+        dst.copy_(src)
+    else:
+        np.copyto(d, s)

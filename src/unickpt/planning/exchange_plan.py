@@ -94,6 +94,7 @@ def plan_exchange(
     reading it once costs fewer bytes than each rank reading its parts alone; owners balanced."""
     units: list[Unit] = []
     load: dict[int, int] = {}
+    cuts: dict[tuple[object, ...], list[tuple[int, int, tuple[tuple[int, Box], ...]]]] = {}
     for ranks in _groups(offers).values():
         for (key, file, offset), needs in sorted(_by_chunk(offers, ranks).items()):
             if len({r for r, _, _ in needs}) < 2:
@@ -101,10 +102,16 @@ def plan_exchange(
             meta = tensors[key]
             chunk = _chunk(meta, files, file, offset)
             size = itemsize(dtype_from_name(meta.dtype))
-            cut = _cut(chunk, size, needs, segment_bytes, unit_bytes)
+            # Chunks of tensors split alike, needed alike (every layer's), are cut alike.
+            same = (chunk.lengths, chunk.offsets, chunk.nbytes, size)
+            name = same + tuple((r, n.region) for r, _, n in needs)
+            cut = cuts.get(name)
+            if cut is None:
+                cut = cuts[name] = _cut(chunk, size, needs, segment_bytes, unit_bytes)
             if sum(hi - lo for lo, hi, _ in cut) >= sum(n.local_bytes for _, _, n in needs):
                 continue
-            for lo, hi, parts in cut:
+            for lo, hi, where in cut:
+                parts = tuple(Part(needs[k][0], needs[k][1], box) for k, box in where)
                 owner = _owner(parts, load)
                 load[owner] = load.get(owner, 0) + hi - lo
                 units.append(Unit(key, file, chunk, size, lo, hi, owner, 0, 0, parts))
@@ -157,8 +164,9 @@ def _cut(
     needs: list[tuple[int, int, Need]],
     segment: int,
     unit_bytes: int,
-) -> list[tuple[int, int, tuple[Part, ...]]]:
-    """The chunk's needed bytes as segment-aligned units, each with the parts ranks need."""
+) -> list[tuple[int, int, tuple[tuple[int, Box], ...]]]:
+    """The chunk's needed bytes as segment-aligned units, each with the parts ranks need (as
+    positions in ``needs`` and boxes)."""
     strides, origin = row_major_strides(chunk.lengths), chunk.offsets
     spans = [_span(strides, origin, n.region) for _, _, n in needs]
     lo0 = min(f for f, _ in spans) * size // segment * segment
@@ -171,13 +179,13 @@ def _cut(
             for b in flat_range_to_boxes(chunk.lengths, ulo // size, (uhi - ulo) // size)
         ]
         parts, first, end = [], uhi, ulo
-        for (rank, i, need), (nfirst, nend) in zip(needs, spans):
+        for k, ((_, _, need), (nfirst, nend)) in enumerate(zip(needs, spans)):
             if nend * size <= ulo or nfirst * size >= uhi:
                 continue  # the need's span misses the unit: no box of it can overlap
             for b in boxes:
                 x = b.intersect(need.region)
                 if x is not None:
-                    parts.append(Part(rank, i, x))
+                    parts.append((k, x))
                     xfirst, xend = _span(strides, origin, x)
                     first, end = min(first, xfirst * size), max(end, xend * size)
         if not parts:

@@ -1,0 +1,50 @@
+"""Row copies through NumPy: bitwise equal to ``Tensor.copy_`` for every layout they take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unickpt.engine.memcpy import copy_rows, host_rows
+
+
+def _source(dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    if dtype == torch.bool:
+        return torch.rand(12, 10, 16, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(12, 10, 16, generator=g).to(dtype)
+    return torch.randint(-(2**15), 2**15, (12, 10, 16), generator=g, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_half_rows_of_a_strided_source(dtype: torch.dtype) -> None:
+    src = _source(dtype)[2:9, :, 5:13]  # rows of 8 of 16 elements: strided, last dim contiguous
+    dst = torch.zeros(src.shape, dtype=dtype)
+    assert host_rows(src) is not None and host_rows(dst) is not None
+    copy_rows(dst, src)
+    assert torch.equal(dst, src)
+    # Into a strided destination too (a column block of a wider tensor).
+    wide = torch.zeros(7, 10, 20, dtype=dtype)
+    copy_rows(wide[:, :, 4:12], src)
+    assert torch.equal(wide[:, :, 4:12], src)
+    assert not wide[:, :, :4].any() and not wide[:, :, 12:].any()
+
+
+def test_layouts_numpy_does_not_take_fall_back_to_torch() -> None:
+    src = _source(torch.float32)
+    column = src[:, :, 3]  # last dimension strided
+    dst = torch.zeros(column.shape)
+    assert host_rows(column) is None
+    copy_rows(dst, column)
+    assert torch.equal(dst, column)
+    scalar = torch.zeros(())
+    copy_rows(scalar, src[1, 2, 3])
+    assert scalar.item() == src[1, 2, 3].item()
+    grad = torch.zeros(4, 16, requires_grad=True)  # parameters: copied without autograd
+    with torch.no_grad():
+        copy_rows(grad, src[0, :4])
+    assert torch.equal(grad.detach(), src[0, :4])
+    empty = torch.zeros(0, 16)
+    copy_rows(empty, src[0, :0])
+    assert empty.shape == (0, 16)

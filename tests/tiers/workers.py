@@ -115,3 +115,23 @@ def entry_signalled(rank: int, world: int, port: int, root: str, shm: str, ready
     signal.signal(signal.SIGINT, signal.default_int_handler)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     train_until_signalled(rank, world, root, shm, ready)
+
+
+def restart_in_pieces(
+    rank: int,
+    world: int,
+    root: str,
+    dirs: dict[int, str],
+    nodes: dict[int, str] | None,
+    rows: int,
+    piece: int,
+) -> tuple[int | None, str, list[str]]:
+    """:func:`restart` with files sent in pieces of ``piece`` bytes; also the files in this
+    rank's memory folder afterwards."""
+    from unickpt.tiers import group
+
+    group.PIECE_BYTES = piece
+    step, source = restart(rank, world, root, dirs, nodes, rows, False)
+    folder = Path(dirs[rank])
+    names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    return step, source, names

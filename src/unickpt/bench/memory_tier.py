@@ -8,13 +8,16 @@ Each rank holds ``--mib`` MiB of float32 tensors (16 MiB each). Rows, medians ov
   into shared memory);
 - replica on the peer: two ranks as two nodes (``UNICKPT_NODE``) on this machine, from the call
   until ``fut.wait()`` returns (the memory copy and the partner's replica committed), beside the
-  raw gloo transfer of the same bytes between the two ranks;
+  raw gloo transfer of what replication moves: each rank's bytes to the other, one way then the
+  other (the raw one-way transfer is the link figure of the restore row);
 - restore from local memory: a new process loads the newest step into zeroed tensors (unickpt,
   ``last_restore.seconds``); DLRover: ``load_checkpoint()`` then the copy of its shared-memory
   tensors into the state, in the process that saved (its standalone saver lives in the training
   process);
-- restore from a peer: node b's memory folder deleted, both ranks restart; node b's rank fetches
-  its files from node a and loads.
+- restore from a peer (median of ``--restores``): node b's memory folder deleted, both ranks
+  restart; node b's rank fetches its files from node a and loads; timed from the call of
+  ``load_latest`` (both processes started and past a barrier, so neither counts the other's
+  start) until the state holds the values (checked afterwards).
 
 unickpt bench --memory-tier --memory-mib 256 --peers-python .venv-peers/bin/python
 python benchmarks/memory_tier.py --mib 256 --peers-python .venv-peers/bin/python
@@ -81,15 +84,18 @@ def _save_job(rank: int, world: int, port: int, a: dict[str, Any], q: Any) -> No
         stalls.append(time.perf_counter() - t0)
         fut.wait()
         replicated.append(time.perf_counter() - t0)
-    link = []
+    link, both = [], []
     if world == 2:
-        buf = torch.empty(a["mib"] << 20, dtype=torch.uint8)
+        buf = torch.zeros(a["mib"] << 20, dtype=torch.uint8)
         for _ in range(3):
             dist.barrier()
             t0 = time.perf_counter()
             dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0)
             link.append(time.perf_counter() - t0)
-    q.put((rank, {"stall": stalls[1:], "replicated": replicated[1:], "link": link}))
+            dist.send(buf, 0) if rank == 1 else dist.recv(buf, 1)
+            both.append(time.perf_counter() - t0)
+    result = {"stall": stalls[1:], "replicated": replicated[1:], "link": link, "both": both}
+    q.put((rank, result))
     dist.destroy_process_group()
 
 
@@ -99,6 +105,7 @@ def _restore_job(rank: int, world: int, port: int, a: dict[str, Any], q: Any) ->
     tier = unickpt.MemoryTier(persist_every=10**6, replicas=world, dir=a["dirs"][rank])
     ckpt = unickpt.Checkpointer(a["root"], memory=tier)
     state = _state(a["mib"], -1.0, rank, world)
+    dist.barrier()  # both processes started: neither counts the other's start
     t0 = time.perf_counter()
     step = ckpt.load_latest(state)
     seconds = time.perf_counter() - t0
@@ -173,8 +180,9 @@ def _ms(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e3:.1f} ms"
 
 
-def measure(mib: int, saves: int, peers_python: str | None) -> dict[str, Any]:
-    """Every row's figures (seconds), DLRover's under ``"dlrover"`` when ``peers_python``."""
+def measure(mib: int, saves: int, peers_python: str | None, restores: int = 3) -> dict[str, Any]:
+    """Every row's figures (seconds), DLRover's under ``"dlrover"`` when ``peers_python``;
+    the restore from a peer ``restores`` times (node b's memory deleted before each)."""
     work = Path(tempfile.mkdtemp(prefix="unickpt-memory-bench-", dir="/dev/shm"))
     try:
         rows: dict[str, Any] = {"mib_per_rank": mib}
@@ -189,10 +197,14 @@ def measure(mib: int, saves: int, peers_python: str | None) -> dict[str, Any]:
         pair = _spawn(2, _save_job, b)
         rows["unickpt_replicated"] = pair[0]["replicated"] + pair[1]["replicated"]
         rows["link"] = pair[0]["link"]
-        shutil.rmtree(two["dirs"][1])  # node b's memory is lost
-        back = _spawn(2, _restore_job, b)
-        assert back[1]["source"] == "peer", back
-        rows["unickpt_restore_peer"] = back[1]["restore"]
+        rows["link_both_ways"] = pair[0]["both"]
+        peer = []
+        for _ in range(restores):
+            shutil.rmtree(two["dirs"][1], ignore_errors=True)  # node b's memory is lost
+            back = _spawn(2, _restore_job, b)
+            assert back[1]["source"] == "peer", back
+            peer.append(back[1]["restore"])
+        rows["unickpt_restore_peer"] = peer
         if peers_python:
             rows["dlrover"] = _dlrover(peers_python, mib, saves, work)
     finally:
@@ -210,11 +222,12 @@ def to_markdown(rows: dict[str, Any]) -> str:
         "| DLRover flash checkpoint |",
         "| --- | --- | --- |",
         f"| save stall | {_ms(rows['unickpt_stall'])} | {_ms(d['stall']) if d else 'n/a'} |",
-        f"| replica committed on the peer (raw link: {_ms(rows['link'])}) | "
+        f"| replica committed on the peer (raw link, each rank's bytes to the other: "
+        f"{_ms(rows['link_both_ways'])}) | "
         f"{_ms(rows['unickpt_replicated'])} | n/a (needs dlrover-run's agents) |",
         f"| restore from local memory | {restore} | {theirs} |",
         f"| restore from a peer (raw link: {_ms(rows['link'])}) | "
-        f"{rows['unickpt_restore_peer'] * 1e3:.1f} ms | n/a |",
+        f"{_ms(rows['unickpt_restore_peer'])} | n/a |",
     ]
     return "\n".join(lines)
 
@@ -223,10 +236,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--mib", type=int, default=256, help="state per rank, MiB")
     p.add_argument("--saves", type=int, default=5)
+    p.add_argument("--restores", type=int, default=3, help="restores from a peer (median)")
     p.add_argument("--peers-python", default=None, help="python of .venv-peers (DLRover)")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args()
-    rows = measure(args.mib, args.saves, args.peers_python)
+    rows = measure(args.mib, args.saves, args.peers_python, args.restores)
     print(to_markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

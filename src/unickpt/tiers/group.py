@@ -2,10 +2,12 @@
 
 Its own group, so that replication and restore traffic never interleaves with the
 collectives of saves and loads. Files go rank to rank as byte tensors straight out of and into
-memory maps of the node folders' files (no copy in between): the sender maps its file, the
-receiver maps the new file at its final size and receives into it in pieces of
-``PIECE_BYTES``. Peak extra memory: none beyond the received file itself (which is the
-replica) and gloo's own buffers.
+memory maps of the node folders' files (no copy in between), in pieces of ``PIECE_BYTES``: the
+receiver sizes the new file (a recycled spare where there is one) and maps each piece just
+before it arrives, so that its pages are made while the previous pieces are already being read;
+an :class:`Arrivals` says how far each received file has come, for readers that go along with
+the transfer. Peak extra memory: none beyond the received file itself (which is the replica)
+and gloo's own buffers.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import contextlib
 import datetime
 import mmap
 import os
+import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -75,24 +79,28 @@ class TierGroup:
             with self._lost("barrier"):
                 dist.barrier(group=self._pg)
 
-    def exchange(self, transfers: list[Transfer]) -> None:
-        """Send or receive each transfer in turn (``send`` says which), blocking.
+    def exchange(
+        self, transfers: list[Transfer], arrived: Callable[[Path, int], None] | None = None
+    ) -> None:
+        """Send or receive each transfer in turn (``send`` says which), blocking; after each
+        received piece, ``arrived(path, bytes so far)``.
 
         Every rank passes its part of one list all ranks agree on, in that list's order; so the
         earliest unfinished transfer always has both ends waiting for it and nothing deadlocks,
         while transfers between other pairs go on at the same time. (One direction at a time
         per pair: gloo moves a large tensor both ways at once far slower than one way twice.)
         """
-        with self._lost("file transfer"):
+        with self._lost("file transfer"), ThreadPoolExecutor(1, "unickpt-map") as pool:
             for t in transfers:
-                with _mapped(t.path, t.nbytes, write=not t.send) as buf:
-                    for i in range(0, buf.numel(), PIECE_BYTES):
-                        piece = buf[i : i + PIECE_BYTES]
+                with _opened(t.path, t.nbytes, write=not t.send) as fd:
+                    for end, piece in _pieces(fd, t.nbytes, not t.send, pool):
                         if t.send:
                             dist.send(piece, self.ranks[t.peer], self._pg, tag=t.tag)
                         else:
                             dist.recv(piece, self.ranks[t.peer], self._pg, tag=t.tag)
                         del piece  # the map closes once no tensor refers to it
+                        if arrived is not None and not t.send:
+                            arrived(t.path, end)
 
     @contextlib.contextmanager
     def _lost(self, what: str) -> Iterator[None]:
@@ -119,28 +127,88 @@ class Transfer:
 
 
 @contextlib.contextmanager
-def _mapped(path: Path, nbytes: int, write: bool) -> Iterator[torch.Tensor]:
-    """The file as a uint8 tensor over a memory map (created at ``nbytes`` when writing)."""
+def _opened(path: Path, nbytes: int, write: bool) -> Iterator[int]:
+    """The file's descriptor; when writing, created (or a spare reused) at ``nbytes``."""
     flags = os.O_RDWR | os.O_CREAT if write else os.O_RDONLY  # a spare file is overwritten
     fd = os.open(path, flags, 0o644)
     try:
         if write:
             os.ftruncate(fd, nbytes)
-        if nbytes == 0:
-            yield torch.empty(0, dtype=torch.uint8)
-            return
-        # Populated in one call: faulting a tmpfs file in page by page costs more than sending
-        # it. Read-only when reading (the tensor is only ever sent from).
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE, prot=prot)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # read-only: sent, never written
-                tensor = torch.frombuffer(mm, dtype=torch.uint8)
-            yield tensor
-            del tensor
-        finally:
-            with contextlib.suppress(BufferError):
-                mm.close()
+        yield fd
     finally:
         os.close(fd)
+
+
+def _pieces(
+    fd: int, nbytes: int, write: bool, pool: ThreadPoolExecutor
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each piece of the file as a uint8 tensor over a memory map, with the end of the piece.
+    The next piece is mapped in ``pool`` meanwhile: making the pages of a new tmpfs file
+    costs about as much as sending them, and so overlaps the transfer of the piece before."""
+    starts = list(range(0, nbytes, PIECE_BYTES))
+
+    def map_at(k: int) -> mmap.mmap:
+        n = min(PIECE_BYTES, nbytes - starts[k])
+        # Populated in one call, not faulted in page by page. Read-only when reading (the
+        # tensor is only ever sent from).
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
+        return mmap.mmap(fd, n, flags=mmap.MAP_SHARED | _POPULATE, prot=prot, offset=starts[k])
+
+    ahead = pool.submit(map_at, 0) if starts else None
+    try:
+        for k, start in enumerate(starts):
+            assert ahead is not None
+            mm = ahead.result()
+            ahead = pool.submit(map_at, k + 1) if k + 1 < len(starts) else None
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # read-only: sent, never written
+                    tensor = torch.frombuffer(mm, dtype=torch.uint8)
+                yield start + len(mm), tensor
+                del tensor
+            finally:
+                with contextlib.suppress(BufferError):
+                    mm.close()
+    finally:
+        if ahead is not None:  # the transfer stopped early: the piece mapped ahead is unused
+            with contextlib.suppress(Exception):
+                ahead.result().close()
+
+
+class Arrivals:
+    """How many leading bytes of each file being received are there; readers wait for theirs.
+
+    ``fail`` wakes every reader with the transfer's error; a file not being received is never
+    waited for.
+    """
+
+    def __init__(self, sizes: dict[Path, int]) -> None:
+        self.sizes = dict(sizes)
+        self._done = dict.fromkeys(sizes, 0)
+        self._error: BaseException | None = None
+        self._cv = threading.Condition()
+
+    def arrived(self, path: Path, nbytes: int) -> None:
+        with self._cv:
+            self._done[path] = nbytes
+            self._cv.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cv:
+            self._error = error
+            self._cv.notify_all()
+
+    def wait(self, path: Path, end: int) -> None:
+        """Return once bytes ``[0, end)`` of ``path`` are there (at once when it is not being
+        received); raise the transfer's error when it failed first."""
+        if path not in self._done:
+            return
+        with self._cv:
+            while self._done[path] < end:
+                if self._error is not None:
+                    raise DistributedCheckpointError(
+                        f"{path} stopped arriving after {self._done[path]} of "
+                        f"{self.sizes[path]} bytes: {self._error}",
+                        {},
+                    ) from self._error
+                self._cv.wait()

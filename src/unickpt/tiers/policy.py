@@ -227,10 +227,19 @@ class TierPolicy:
         choice = choose(held)
         if choice is not None and (newest_stored is None or choice.step >= newest_stored):
             try:
-                view, fetched = fetch(group, nodes, self.store, choice, state)
-                api.load(view, state, group=self.ckpt.group, strict=strict, config=self.ckpt.config)
+                fetching = fetch(group, nodes, self.store, choice, state)
+                try:
+                    api.load(
+                        fetching.view,
+                        state,
+                        group=self.ckpt.group,
+                        strict=strict,
+                        config=self.ckpt.config,
+                    )
+                finally:
+                    fetching.finish()  # the transfers' failure first, else the load's
                 self.newest = _committed_of(self.store, choice.step)
-                source = "peer" if fetched else "memory"
+                source = "peer" if fetching.fetched else "memory"
                 return choice.step, RestoreInfo(choice.step, source, time.perf_counter() - t0)
             except (CheckpointCorruptError, CheckpointNotFoundError) as e:
                 warnings.warn(

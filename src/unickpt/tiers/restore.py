@@ -4,26 +4,33 @@
    coordinator adds the storage's newest committed step; all ranks gather the same picture.
 2. The newest memory step whose data files are all present on some surviving node wins, when it
    is at least as new as storage's; every rank computes the same answer.
-3. Nodes that lack its commit get it (healing); every rank gets the index files its node lacks
-   (small, kept in memory: a node folder's index file always means its data is whole).
+3. One gather brings its commit to the nodes that lack it (healing) and to every rank the index
+   files its node lacks (small, kept in memory: a node folder's index file always means its
+   data is whole).
 4. Each rank plans its load (resharding included) and names the data files it reads that its
-   node lacks; each such file is sent once per node, rank to rank, into the node's folder, its
-   index written after it (healing the replica).
-5. Every rank loads from its node folder with the normal load path.
+   node lacks; each such file is sent once per node, rank to rank, into the node's folder (on a
+   recycled spare when the node has one), its index written after it (healing the replica).
+5. Every rank loads from its node folder with the normal load path (checksums verified). When
+   only the receiving rank reads a fetched file, the load runs while the file arrives, each read
+   waiting for its bytes (:class:`Fetch`): a restore from a peer then takes about the transfer
+   plus the verification and copy of its last piece.
 
 Peak extra memory: the gathered index files; fetched files land in the node folder.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..engine.commit import read_checkpoint
 from ..engine.loader import files_needed
+from ..format.metadata import COMMIT_FILE
 from ..storage.base import Storage, WriteHandle
-from .group import TierGroup, Transfer
+from .group import Arrivals, TierGroup, Transfer
 from .memory import Holding, MemoryStore, index_of
 from .nodes import Nodes
 from .replicate import Committed, read_committed, write_commit
@@ -75,54 +82,129 @@ def survey(
     return held, gathered[0][1]
 
 
+class Fetch:
+    """The files one restore brings from peers: the storage to load from (:attr:`view`), and
+    :meth:`finish` after the load.
+
+    When every fetched file is read by the rank that receives it only (``alongside``), the
+    transfers run in a thread of their own while the load reads: each read waits for its bytes
+    to arrive, so verifying and copying a piece overlaps the transfer of the next. Otherwise
+    (another rank of the node reads a file this rank receives) the transfers finish, the
+    indexes are written and every rank passes a barrier before the load starts.
+    """
+
+    def __init__(
+        self,
+        group: TierGroup,
+        folder: Storage,
+        path: Path,
+        indexes: dict[str, bytes],
+        transfers: list[Transfer],
+        alongside: bool,
+        fetched: bool,
+    ) -> None:
+        self.fetched = fetched
+        self._group = group
+        self._folder = folder
+        self._indexes = indexes
+        self._transfers = transfers
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        receiving = {t.path: t.nbytes for t in transfers if not t.send}
+        arrivals = Arrivals(receiving) if alongside and receiving else None
+        self.view = WithIndexes(folder, indexes, path, arrivals)
+        if not alongside:
+            group.exchange(transfers)
+            self._heal()
+            group.barrier()  # files fetched by one rank of a node serve its other ranks too
+        elif transfers:
+            self._thread = threading.Thread(
+                target=self._run, args=(arrivals,), name="unickpt-fetch", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self, arrivals: Arrivals | None) -> None:
+        try:
+            self._group.exchange(self._transfers, arrivals.arrived if arrivals else None)
+        except BaseException as e:  # noqa: BLE001 - raised by finish, on the loading thread
+            self._error = e
+            if arrivals is not None:
+                arrivals.fail(e)
+
+    def finish(self) -> None:
+        """Wait for the transfers still under way, raise their failure, then write the index
+        of every received file (each data file whole by then)."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            raise self._error
+        self._heal()
+
+    def _heal(self) -> None:
+        for t in self._transfers:
+            if not t.send:
+                name = index_of(t.path.name)
+                self._folder.write_atomic(name, self._indexes[name])
+
+
 def fetch(
     group: TierGroup, nodes: Nodes, store: MemoryStore, choice: Choice, state: dict[str, Any]
-) -> tuple[Storage, bool]:
-    """Bring what this rank's load needs into its node folder; the storage to load from and
-    whether any file this rank reads came from a peer."""
-    source = nodes.leader(choice.commit_nodes[0])
-    committed = group.broadcast(
-        read_committed(store, choice.step) if group.rank == source else None, source
-    )
-    assert committed is not None
+) -> Fetch:
+    """Start bringing what this rank's load needs into its node folder (:class:`Fetch`)."""
+    committed, indexes = _commit_and_indexes(group, nodes, store, choice)
     here = nodes.node
-    if nodes.is_leader and here not in choice.commit_nodes:
-        write_commit(store, committed)
-    indexes = _indexes(group, nodes, store, choice, committed)
+    if here not in choice.commit_nodes:  # served from memory until the leader has written it
+        indexes[COMMIT_FILE] = committed.commit_raw
+        indexes[committed.metadata_file] = committed.metadata_raw
+        if nodes.is_leader:
+            write_commit(store, committed)
     folder = store.step(choice.step)
-    view = WithIndexes(folder, indexes)
-    _, meta = read_checkpoint(view)
+    _, meta = read_checkpoint(WithIndexes(folder, indexes, store.step_path(choice.step)))
     needed = files_needed(meta, state)
     missing = sorted(f for f in needed if here not in choice.holders[f])
     wanted = group.all_gather(missing)
     transfers = _transfers(nodes, store, choice, committed, wanted)
-    group.exchange(transfers)
-    for t in transfers:
-        if t.send:
-            continue
-        name = t.path.name
-        folder.write_atomic(index_of(name), indexes[index_of(name)])
-    group.barrier()  # files fetched by one rank of a node serve its other ranks too
-    return view, bool(missing)
+    alongside = not _shared_fetches(nodes, wanted)
+    path = store.step_path(choice.step)
+    return Fetch(group, folder, path, indexes, transfers, alongside, bool(missing))
 
 
-def _indexes(
-    group: TierGroup, nodes: Nodes, store: MemoryStore, choice: Choice, committed: Committed
-) -> dict[str, bytes]:
-    """Index files this node lacks, from the first node that holds each (gathered once)."""
+def _commit_and_indexes(
+    group: TierGroup, nodes: Nodes, store: MemoryStore, choice: Choice
+) -> tuple[Committed, dict[str, bytes]]:
+    """The step's commit, from the first node that holds it, and the index files this node
+    lacks, from the first node that holds each: one gather."""
+    source = nodes.leader(choice.commit_nodes[0])
     folder = store.step_path(choice.step)
+    mine = read_committed(store, choice.step) if group.rank == source else None
     offered: dict[str, bytes] = {}
-    for ref in committed.refs:
-        holders = choice.holders[ref.data]
+    for data, holders in choice.holders.items():
         if len(holders) < nodes.count and group.rank == nodes.leader(holders[0]):
-            offered[ref.index] = (folder / ref.index).read_bytes()
+            offered[index_of(data)] = (folder / index_of(data)).read_bytes()
+    gathered = group.all_gather((mine, offered))
+    committed = gathered[source][0]
+    assert committed is not None
     everything: dict[str, bytes] = {}
-    for part in group.all_gather(offered):
+    for _, part in gathered:
         everything.update(part)
     here = nodes.node
-    return {
+    return committed, {
         r.index: everything[r.index] for r in committed.refs if here not in choice.holders[r.data]
     }
+
+
+def _shared_fetches(nodes: Nodes, wanted: list[list[str]]) -> bool:
+    """Whether a rank reads a file that another rank of its node receives."""
+    seen: set[tuple[int, str]] = set()
+    for rank, files in enumerate(wanted):
+        node = nodes.node_of(rank)
+        for f in files:
+            if (node, f) in seen:
+                return True
+            seen.add((node, f))
+    return False
 
 
 def _transfers(
@@ -150,20 +232,29 @@ def _transfers(
             if nodes.rank == src:
                 transfers.append(Transfer(folder / f, sizes[f], rank, tag, True))
             elif nodes.rank == rank:
+                folder.mkdir(parents=True, exist_ok=True)
                 (folder / index_of(f)).unlink(missing_ok=True)
+                store.take_spare(folder / f, sizes[f])  # its pages are there already
                 transfers.append(Transfer(folder / f, sizes[f], src, tag, False))
             tag += 1
-    if any(not t.send for t in transfers):
-        folder.mkdir(parents=True, exist_ok=True)
     return transfers
 
 
 class WithIndexes(Storage):
-    """A node's step folder with the index files it lacks served from memory (read-only)."""
+    """A node's step folder (at ``path``) with the index files (and commit) it lacks served
+    from memory; reads of a file still arriving wait for their bytes (``arrivals``)."""
 
-    def __init__(self, base: Storage, extra: dict[str, bytes]) -> None:
+    def __init__(
+        self,
+        base: Storage,
+        extra: dict[str, bytes],
+        path: Path,
+        arrivals: Arrivals | None = None,
+    ) -> None:
         self.base = base
         self.extra = extra
+        self.path = path
+        self.arrivals = arrivals
         self.maps_files = base.maps_files
         self.cheap_reads = base.cheap_reads
 
@@ -174,22 +265,40 @@ class WithIndexes(Storage):
     def child(self, name: str) -> Storage:
         return self.base.child(name)
 
+    @property
+    def _arriving(self) -> dict[Path, int]:
+        return self.arrivals.sizes if self.arrivals is not None else {}
+
+    def _wait(self, name: str, end: int) -> None:
+        if self.arrivals is not None:
+            self.arrivals.wait(self.path / name, end)
+
     def list_names(self) -> list[str]:
-        return sorted(set(self.base.list_names()) | set(self.extra))
+        arriving = {p.name for p in self._arriving}
+        return sorted(set(self.base.list_names()) | set(self.extra) | arriving)
 
     def size(self, name: str) -> int | None:
         raw = self.extra.get(name)
-        return len(raw) if raw is not None else self.base.size(name)
+        if raw is not None:
+            return len(raw)
+        arriving = self._arriving.get(self.path / name)
+        return arriving if arriving is not None else self.base.size(name)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        self._wait(name, offset + out.nbytes)
         self.base.read_into(name, offset, out)
 
     def map_range(self, name: str, offset: int, length: int) -> memoryview | None:
+        self._wait(name, offset + length)
         return self.base.map_range(name, offset, length)
 
     def read_bytes(self, name: str) -> bytes | None:
         raw = self.extra.get(name)
-        return raw if raw is not None else self.base.read_bytes(name)
+        if raw is not None:
+            return raw
+        size = self.size(name)
+        self._wait(name, size or 0)
+        return self.base.read_bytes(name)
 
     def write_atomic(self, name: str, data: bytes) -> None:
         self.base.write_atomic(name, data)

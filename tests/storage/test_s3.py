@@ -144,6 +144,33 @@ def test_a_save_whose_marker_landed_is_committed(
     _assert_same(dest, _state(2))
 
 
+def _checksums(endpoint: str, bucket: str, prefix: str) -> dict[str, str]:
+    """The checksum type and members S3 keeps for the data file under ``prefix``."""
+    client = raw_client(endpoint)
+    data = next(k for k in keys(endpoint, bucket, prefix) if "/data-" in k)
+    head = client.head_object(Bucket=bucket, Key=data, ChecksumMode="ENABLED")
+    return {k: str(v) for k, v in head.items() if k.startswith("Checksum")}
+
+
+def test_uploads_declare_the_checksum_their_parts_carry(s3_endpoint: str, s3_bucket: str) -> None:
+    """A multipart upload declares CRC32 and completes with every part's CRC32 (the server
+    keeps a checksum combined from the parts' and does not hash the whole object again);
+    with checksums only where required, the upload declares none."""
+    state = _state(3)
+    unickpt.save(f"s3://{s3_bucket}/crc", state, config=CONFIG)
+    assert set(_checksums(s3_endpoint, s3_bucket, "crc/")) == {"ChecksumCRC32"}
+    # the client of a server without checksums: nothing declared, nothing asked of parts
+    client = raw_client(s3_endpoint, request_checksum_calculation="when_required")
+    storage = S3Storage(f"s3://{s3_bucket}/plain", client=client)
+    assert storage.checksum_algorithm() is None
+    unickpt.save(storage, state, config=CONFIG)
+    assert _checksums(s3_endpoint, s3_bucket, "plain/") == {}
+    for url in (f"s3://{s3_bucket}/crc", f"s3://{s3_bucket}/plain"):
+        dest = _blank()
+        unickpt.load(url, dest, config=CONFIG)
+        _assert_same(dest, state)
+
+
 def test_async_save_and_failed_saves_leave_nothing(s3_endpoint: str, s3_bucket: str) -> None:
     bad = f"s3://{s3_bucket}/bad"
     async_and_refused_saves(f"s3://{s3_bucket}/async", bad, _state, _blank, _assert_same, CONFIG)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,9 +126,9 @@ class _LostAnswers(S3Storage):
         if name == "COMMIT":
             raise unickpt.CheckpointError(f"writing {name} failed: the answer was lost")
 
-    def remove(self, name: str) -> None:
-        super().remove(name)
-        raise unickpt.CheckpointError(f"deleting {name} failed: the answer was lost")
+    def remove_many(self, names: Sequence[str]) -> None:
+        super().remove_many(names)
+        raise unickpt.CheckpointError(f"deleting {names[0]} failed: the answer was lost")
 
 
 def test_a_save_whose_marker_landed_is_committed(
@@ -169,6 +170,32 @@ def test_uploads_declare_the_checksum_their_parts_carry(s3_endpoint: str, s3_buc
         dest = _blank()
         unickpt.load(url, dest, config=CONFIG)
         _assert_same(dest, state)
+
+
+def test_a_save_deletes_the_files_it_replaces_in_one_request(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
+    """Saving over a checkpoint removes the earlier save's data, index and metadata with one
+    DeleteObjects, after the new marker; they are gone and the new checkpoint loads."""
+    client = raw_client(s3_endpoint)
+    sent: list[str] = []
+    client.meta.events.register(
+        "before-call.s3", lambda model, **_: sent.append(model.name), unique_id="count"
+    )
+    storage = S3Storage(f"s3://{s3_bucket}/over", client=client)
+    unickpt.save(storage, _state(1), config=CONFIG)
+    first = set(keys(s3_endpoint, s3_bucket, "over/"))
+    sent.clear()
+    unickpt.save(storage, _state(2), config=CONFIG, overwrite=True)
+    deletes = [op for op in sent if op.startswith("DeleteObject")]
+    assert deletes == ["DeleteObjects", "DeleteObject"], "the earlier files, then the lock"
+    last_put = max(i for i, op in enumerate(sent) if op == "PutObject")  # the marker
+    assert last_put < sent.index("DeleteObjects")
+    now = set(keys(s3_endpoint, s3_bucket, "over/"))
+    assert first & now == {"over/COMMIT"} and len(now) == 4, "COMMIT, data, index, metadata"
+    dest = _blank()
+    unickpt.load(f"s3://{s3_bucket}/over", dest, config=CONFIG)
+    _assert_same(dest, _state(2))
 
 
 def test_async_save_and_failed_saves_leave_nothing(s3_endpoint: str, s3_bucket: str) -> None:

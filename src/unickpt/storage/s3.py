@@ -341,6 +341,10 @@ class S3Storage(Storage):
     def remove(self, name: str) -> None:
         self.remove_key(self._key(name))
 
+    def remove_many(self, names: Sequence[str]) -> None:
+        """Delete the files ``names`` with DeleteObjects, 1,000 per request."""
+        self._delete_keys([self._key(n) for n in names], f"s3://{self.bucket}/{self._folder()}")
+
     def remove_tree(self, name: str) -> None:
         """Delete every object under ``name/`` (1,000 per request) and abort its uploads."""
         folder = f"{self._key(name)}/"
@@ -348,18 +352,25 @@ class S3Storage(Storage):
         for page in self._pages(
             "list_objects_v2", f"listing s3://{self.bucket}/{folder}", Prefix=folder
         ):
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", ())]
-            for i in range(0, len(keys), 1000):
-                batch = {"Objects": keys[i : i + 1000], "Quiet": True}
-                delete = partial(self.client.delete_objects, Bucket=self.bucket, Delete=batch)
-                resp = self._call(f"deleting s3://{self.bucket}/{folder}", delete)
-                if resp.get("Errors"):
-                    first = resp["Errors"][0]
-                    raise CheckpointError(
-                        f"deleting s3://{self.bucket}/{first.get('Key')} failed: "
-                        f"{first.get('Code')} ({first.get('Message')}); check the bucket's "
-                        "permissions and delete the folder by hand."
-                    )
+            self._delete_keys(
+                [o["Key"] for o in page.get("Contents", ())], f"s3://{self.bucket}/{folder}"
+            )
+
+    def _delete_keys(self, keys: Sequence[str], where: str) -> None:
+        """Delete ``keys`` (missing ones are no error), 1,000 per request; ``where`` names
+        their folder in errors."""
+        for i in range(0, len(keys), 1000):
+            objects = [{"Key": k} for k in keys[i : i + 1000]]
+            batch = {"Objects": objects, "Quiet": True}
+            delete = partial(self.client.delete_objects, Bucket=self.bucket, Delete=batch)
+            resp = self._call(f"deleting objects in {where}", delete)
+            if resp.get("Errors"):
+                first = resp["Errors"][0]
+                raise CheckpointError(
+                    f"deleting s3://{self.bucket}/{first.get('Key')} failed: "
+                    f"{first.get('Code')} ({first.get('Message')}); check the bucket's "
+                    "permissions and delete the files by hand."
+                )
 
     def abort_uploads(self, prefix: str | None = None, keep: str | None = None) -> int:
         """Abort the unfinished multipart uploads under ``prefix`` (default: this folder), but

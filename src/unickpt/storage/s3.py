@@ -58,9 +58,9 @@ class _MultipartHandle(WriteHandle):
 
     The upload declares the checksum its parts carry (CRC32, as boto3's transfer manager
     does), so the server checks each part against it and keeps a checksum of the object
-    combined from the parts' (a composite one). An upload that declares none makes S3 (and
-    servers that follow it) compute a CRC64 of the whole object when the upload is completed,
-    a pass over every byte on the server that delays the completion.
+    combined from the parts' (a composite one). An upload that declares none is given a CRC64
+    of the whole object instead (S3's default), which a server may compute when the upload is
+    completed, a pass over every byte that delays the completion (moto does).
     """
 
     def __init__(self, store: S3Storage, key: str, part_sizes: Sequence[int]) -> None:

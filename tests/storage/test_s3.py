@@ -198,6 +198,33 @@ def test_a_save_deletes_the_files_it_replaces_in_one_request(
     _assert_same(dest, _state(2))
 
 
+class _IndexRefused(S3Storage):
+    """S3 that refuses the index PUT, which is sent while the data file's upload completes."""
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        if name.startswith("index-"):
+            raise unickpt.CheckpointError(f"writing {name} failed: AccessDenied (HTTP 403)")
+        super().write_atomic(name, data)
+
+
+def test_a_refused_index_fails_the_save_and_removes_its_data(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
+    """The index is written alongside the completion of the data file's upload: when it
+    fails, the save fails with its error and the data file (completed or not) is removed."""
+    unickpt.save(f"s3://{s3_bucket}/idx", _state(1), config=CONFIG)
+    before = keys(s3_endpoint, s3_bucket, "idx/")
+    with pytest.raises(unickpt.CheckpointError, match=r"writing index-.* AccessDenied"):
+        unickpt.save(
+            _IndexRefused(f"s3://{s3_bucket}/idx"), _state(2), config=CONFIG, overwrite=True
+        )
+    assert keys(s3_endpoint, s3_bucket, "idx/") == before, "only the earlier checkpoint"
+    assert uploads(s3_endpoint, s3_bucket) == []
+    dest = _blank()
+    unickpt.load(f"s3://{s3_bucket}/idx", dest, config=CONFIG)
+    _assert_same(dest, _state(1))
+
+
 def test_async_save_and_failed_saves_leave_nothing(s3_endpoint: str, s3_bucket: str) -> None:
     bad = f"s3://{s3_bucket}/bad"
     async_and_refused_saves(f"s3://{s3_bucket}/async", bad, _state, _blank, _assert_same, CONFIG)

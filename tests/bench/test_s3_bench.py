@@ -24,8 +24,10 @@ def test_s3_bench_against_a_server(tmp_path: Path, capsys: pytest.CaptureFixture
         argv = ["bench", "--storage", f"s3://{bucket}/bench", "--mib", "64", "--repeats", "1"]
         argv += ["--reshard-world", "2", "--out", str(tmp_path), "--peers-python", "/no/python"]
         assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert f"64 MiB in 1 float32 matrices against {endpoint}; 1 rounds" in out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert f"64 MiB in 1 float32 matrices against {endpoint}; 1 rounds after an untimed one" in out
+    assert "warm-up (untimed): unickpt: save " in captured.err
     assert "| unickpt | " in out and "| boto3 transfer manager | " in out
     assert "| DCP + fsspec/s3fs | not run: no peers environment" in out
     assert "unickpt / transfer manager (medians): save " in out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,9 +126,9 @@ class _LostAnswers(S3Storage):
         if name == "COMMIT":
             raise unickpt.CheckpointError(f"writing {name} failed: the answer was lost")
 
-    def remove(self, name: str) -> None:
-        super().remove(name)
-        raise unickpt.CheckpointError(f"deleting {name} failed: the answer was lost")
+    def remove_many(self, names: Sequence[str]) -> None:
+        super().remove_many(names)
+        raise unickpt.CheckpointError(f"deleting {names[0]} failed: the answer was lost")
 
 
 def test_a_save_whose_marker_landed_is_committed(
@@ -142,6 +143,86 @@ def test_a_save_whose_marker_landed_is_committed(
     dest = _blank()
     unickpt.load(f"s3://{s3_bucket}/lost", dest, config=CONFIG)
     _assert_same(dest, _state(2))
+
+
+def _checksums(endpoint: str, bucket: str, prefix: str) -> dict[str, str]:
+    """The checksum type and members S3 keeps for the data file under ``prefix``."""
+    client = raw_client(endpoint)
+    data = next(k for k in keys(endpoint, bucket, prefix) if "/data-" in k)
+    head = client.head_object(Bucket=bucket, Key=data, ChecksumMode="ENABLED")
+    return {k: str(v) for k, v in head.items() if k.startswith("Checksum")}
+
+
+def test_uploads_declare_the_checksum_their_parts_carry(s3_endpoint: str, s3_bucket: str) -> None:
+    """A multipart upload declares CRC32 and completes with every part's CRC32 (the server
+    keeps a checksum combined from the parts' and does not hash the whole object again);
+    with checksums only where required, the upload declares none."""
+    state = _state(3)
+    unickpt.save(f"s3://{s3_bucket}/crc", state, config=CONFIG)
+    assert set(_checksums(s3_endpoint, s3_bucket, "crc/")) == {"ChecksumCRC32"}
+    # the client of a server without checksums: nothing declared, nothing asked of parts
+    client = raw_client(s3_endpoint, request_checksum_calculation="when_required")
+    storage = S3Storage(f"s3://{s3_bucket}/plain", client=client)
+    assert storage.checksum_algorithm() is None
+    unickpt.save(storage, state, config=CONFIG)
+    assert _checksums(s3_endpoint, s3_bucket, "plain/") == {}
+    for url in (f"s3://{s3_bucket}/crc", f"s3://{s3_bucket}/plain"):
+        dest = _blank()
+        unickpt.load(url, dest, config=CONFIG)
+        _assert_same(dest, state)
+
+
+def test_a_save_deletes_the_files_it_replaces_in_one_request(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
+    """Saving over a checkpoint removes the earlier save's data, index and metadata with one
+    DeleteObjects, after the new marker; they are gone and the new checkpoint loads."""
+    client = raw_client(s3_endpoint)
+    sent: list[str] = []
+    client.meta.events.register(
+        "before-call.s3", lambda model, **_: sent.append(model.name), unique_id="count"
+    )
+    storage = S3Storage(f"s3://{s3_bucket}/over", client=client)
+    unickpt.save(storage, _state(1), config=CONFIG)
+    first = set(keys(s3_endpoint, s3_bucket, "over/"))
+    sent.clear()
+    unickpt.save(storage, _state(2), config=CONFIG, overwrite=True)
+    deletes = [op for op in sent if op.startswith("DeleteObject")]
+    assert deletes == ["DeleteObjects", "DeleteObject"], "the earlier files, then the lock"
+    last_put = max(i for i, op in enumerate(sent) if op == "PutObject")  # the marker
+    assert last_put < sent.index("DeleteObjects")
+    now = set(keys(s3_endpoint, s3_bucket, "over/"))
+    assert first & now == {"over/COMMIT"} and len(now) == 4, "COMMIT, data, index, metadata"
+    dest = _blank()
+    unickpt.load(f"s3://{s3_bucket}/over", dest, config=CONFIG)
+    _assert_same(dest, _state(2))
+
+
+class _IndexRefused(S3Storage):
+    """S3 that refuses the index PUT, which is sent while the data file's upload completes."""
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        if name.startswith("index-"):
+            raise unickpt.CheckpointError(f"writing {name} failed: AccessDenied (HTTP 403)")
+        super().write_atomic(name, data)
+
+
+def test_a_refused_index_fails_the_save_and_removes_its_data(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
+    """The index is written alongside the completion of the data file's upload: when it
+    fails, the save fails with its error and the data file (completed or not) is removed."""
+    unickpt.save(f"s3://{s3_bucket}/idx", _state(1), config=CONFIG)
+    before = keys(s3_endpoint, s3_bucket, "idx/")
+    with pytest.raises(unickpt.CheckpointError, match=r"writing index-.* AccessDenied"):
+        unickpt.save(
+            _IndexRefused(f"s3://{s3_bucket}/idx"), _state(2), config=CONFIG, overwrite=True
+        )
+    assert keys(s3_endpoint, s3_bucket, "idx/") == before, "only the earlier checkpoint"
+    assert uploads(s3_endpoint, s3_bucket) == []
+    dest = _blank()
+    unickpt.load(f"s3://{s3_bucket}/idx", dest, config=CONFIG)
+    _assert_same(dest, _state(1))
 
 
 def test_async_save_and_failed_saves_leave_nothing(s3_endpoint: str, s3_bucket: str) -> None:

@@ -9,7 +9,10 @@ Three systems move the same bytes (float32 matrices of 64 MiB) to and from the s
   botocore the main environment's boto3 does not accept); skipped when s3fs is not there.
 
 Every round runs each system once (save, then load), the order rotated between rounds; figures
-are medians of the rounds, with the lowest and highest beside them. Then a resharded load on
+are medians of the rounds, with the lowest and highest beside them. A first, untimed round
+(``warmup``) runs every system once, so that no row carries one-time costs the next saves skip
+(unickpt's first plan, the connections to the server, the server's first objects); every timed
+save still takes the lock, uploads, completes and commits as any save does. Then a resharded load on
 ``reshard_world`` spawned ranks counts the bytes fetched against the bytes needed
 (:mod:`unickpt.bench.s3_reshard`). Without an endpoint (``AWS_ENDPOINT_URL`` or ``endpoint``)
 a moto server is started on loopback, and the report says so.
@@ -57,6 +60,8 @@ class S3BenchConfig:
     part_mib: int = 16
     reshard_world: int = 3
     peers_python: str | None = None
+    warmup: bool = True
+    """Run every system once, untimed, before the timed rounds."""
 
     def __post_init__(self) -> None:
         parse_s3_url(self.url)
@@ -155,6 +160,10 @@ def _run(config: S3BenchConfig, endpoint: str, progress: Callable[[str], None]) 
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     systems = _systems(config, storage, state)
     times: dict[str, list[Timing]] = {name: [] for name in systems}
+    if config.warmup:
+        for name, system in systems.items():
+            t = system()
+            progress(f"warm-up (untimed): {name}: save {t[0]:.2f} s, load {t[1]:.2f} s")
     for rnd in range(config.repeats):
         names = list(systems)
         for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
@@ -280,11 +289,12 @@ def _timed(fn: Callable[[], object]) -> tuple[float, float]:
 def to_markdown(report: S3Report) -> str:
     """The report as markdown: a table of MiB/s (median, lowest-highest), ratios, bytes."""
     c, mib = report.config, report.nbytes / MiB
+    warmup = " after an untimed one" if c.warmup else ""
     lines = [
         f"{mib:,.0f} MiB in {mib / 64:.0f} float32 matrices against {report.endpoint}; "
-        f"{c.repeats} rounds, systems alternating; medians (lowest-highest). unickpt and the "
-        f"transfer manager: {c.io_threads} threads, parts of {c.part_mib} MiB. CPU: seconds of the "
-        "client process, not the server's.",
+        f"{c.repeats} rounds{warmup}, systems alternating; medians (lowest-highest). unickpt "
+        f"and the transfer manager: {c.io_threads} threads, parts of {c.part_mib} MiB. CPU: "
+        "seconds of the client process, not the server's.",
         "",
         "| system | save MiB/s | load MiB/s | save CPU s | load CPU s |",
         "| --- | --- | --- | --- | --- |",

@@ -59,9 +59,10 @@ separate environment: create it with benchmarks/setup_peers.sh. Without it their
 --storage s3://bucket/prefix measures object storage instead: save and load throughput of
 --mib MiB of float32 matrices with unickpt, with boto3's transfer manager moving the same bytes
 (the ceiling) and with DCP through fsspec/s3fs (in the peers environment, where s3fs installs),
---repeats rounds alternating; then a resharded load on --reshard-world spawned ranks, bytes read
-against bytes needed. The endpoint is --endpoint, else AWS_ENDPOINT_URL; with neither, moto's
-server is started on loopback (and the output says so); --endpoint aws means AWS itself.
+--repeats rounds alternating after an untimed one (none with --no-warmup); then a resharded
+load on --reshard-world spawned ranks, bytes read against bytes needed. The endpoint is
+--endpoint, else AWS_ENDPOINT_URL; with neither, moto's server is started on loopback (and the
+output says so); --endpoint aws means AWS itself.
 
 --workload dlrm runs a DLRM-like recommendation job instead (one process): a few large
 embedding tables trained with SGD on Zipf-distributed ids, saved every --steps-between steps by
@@ -295,6 +296,7 @@ def _run_storage(args: argparse.Namespace) -> int:
             part_mib=args.part_mib,
             reshard_world=args.reshard_world,
             peers_python=_peers_python(args.peers_python),
+            warmup=not args.no_warmup,
         )
     except (ValueError, CheckpointError) as exc:
         print(f"unickpt bench: {exc}", file=sys.stderr)

@@ -173,8 +173,9 @@ def _committed(storage: Storage, save_id: str) -> bool:
 
 
 def remove_debris(storage: Storage, keep: set[str]) -> None:
-    """Delete files an interrupted or replaced save left behind (only unickpt's own names)."""
-    for n in storage.list_names():
-        if n not in keep and _OURS.match(n):
-            log.debug("removing %s/%s", storage.location, n)
-            storage.remove(n)
+    """Delete files an interrupted or replaced save left behind (only unickpt's own names),
+    all in one call (object stores delete them in one request per 1,000)."""
+    names = [n for n in storage.list_names() if n not in keep and _OURS.match(n)]
+    if names:
+        log.debug("removing %s from %s", ", ".join(names), storage.location)
+        storage.remove_many(names)

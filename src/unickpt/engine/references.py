@@ -101,6 +101,9 @@ class ReferencingStorage(Storage):
     def remove(self, name: str) -> None:
         self.inner.remove(check_name(name))
 
+    def remove_many(self, names: Sequence[str]) -> None:
+        self.inner.remove_many([check_name(n) for n in names])
+
     def remove_tree(self, name: str) -> None:
         self.inner.remove_tree(name)
 

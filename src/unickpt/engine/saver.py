@@ -267,28 +267,39 @@ def _write_rank_files(
     config: Config,
     progress: Callable[[int, int], None] | None,
 ) -> FileRef:
-    """This rank's data file, then its index (chunks and checksums); both durable."""
+    """This rank's data file and its index (chunks and checksums); both durable. The index is
+    written once every part is, while the data file is completed."""
     name = data_name(prep.save_id, prep.comm.rank)
     inc = prep.incremental
-    refs: list[FileLocation] = []
+    written: list[FileRef] = []
+
+    def write_index(
+        result: WriteResult, chunks: list[list[ChunkMeta]], refs: list[FileLocation]
+    ) -> None:
+        if inc is not None:
+            inc.record(name, prep.items, chunks, refs)
+        entries = [(it.key, cs[0]) for it, cs in zip(prep.items, chunks) if len(cs) == 1]
+        runs = [(it.key, cs) for it, cs in zip(prep.items, chunks) if len(cs) > 1]  # row deltas
+        raw = encode_index(name, entries, refs, runs)
+        index = index_name(prep.save_id, prep.comm.rank)
+        storage.write_atomic(index, raw)
+        written.append(FileRef(name, result.nbytes, index, len(raw), digest(memoryview(raw))))
+
     if inc is None or inc.full:
         if inc is not None:
             inc.digest_rows(prep.items, sources)
-        result = write_file(storage, name, prep.items, sources, config, progress)
-        chunks = [
-            [ChunkMeta(i.box.offsets, i.box.lengths, 0, i.byte_offset, i.nbytes, sums)]
-            for i, sums in zip(prep.items, result.checksums)
-        ]
+
+        def write_full_index(result: WriteResult) -> None:
+            chunks = [
+                [ChunkMeta(i.box.offsets, i.box.lengths, 0, i.byte_offset, i.nbytes, sums)]
+                for i, sums in zip(prep.items, result.checksums)
+            ]
+            write_index(result, chunks, [])
+
+        write_file(storage, name, prep.items, sources, config, progress, alongside=write_full_index)
     else:
-        result, chunks, refs = _write_changed(prep, inc, storage, name, sources, config, progress)
-    if inc is not None:
-        inc.record(name, prep.items, chunks, refs)
-    entries = [(it.key, cs[0]) for it, cs in zip(prep.items, chunks) if len(cs) == 1]
-    runs = [(it.key, cs) for it, cs in zip(prep.items, chunks) if len(cs) > 1]  # row deltas
-    raw = encode_index(name, entries, refs, runs)
-    index = index_name(prep.save_id, prep.comm.rank)
-    storage.write_atomic(index, raw)
-    return FileRef(name, result.nbytes, index, len(raw), digest(memoryview(raw)))
+        _write_changed(prep, inc, storage, name, sources, config, progress, write_index)
+    return written[0]
 
 
 def _write_changed(
@@ -299,15 +310,14 @@ def _write_changed(
     sources: list[ItemSource],
     config: Config,
     progress: Callable[[int, int], None] | None,
-) -> tuple[WriteResult, list[list[ChunkMeta]], list[FileLocation]]:
-    """Hash every item, write the changed pieces back to back, refer to the others."""
+    write_index: Callable[[WriteResult, list[list[ChunkMeta]], list[FileLocation]], None],
+) -> None:
+    """Hash every item, write the changed pieces back to back, refer to the others; the index
+    is written with ``write_index`` while the data file is completed."""
     pieces = inc.plan(prep.items, sources, config.io_threads)
     writes = [p for ps in pieces for p in ps if p.stored is None]
     laid = relaid([WriteItem("", p.box, 0, _nbytes(p)) for p in writes])
     write_sources = [p.source for p in writes if p.source is not None]
-    result = write_file(
-        storage, name, laid, write_sources, config, progress, [p.checksums for p in writes]
-    )
     refs = sorted({p.stored.location for ps in pieces for p in ps if p.stored is not None})
     number = {loc: n + 1 for n, loc in enumerate(refs)}
     at = iter(laid)
@@ -340,7 +350,16 @@ def _write_changed(
         len(writes),
         sum(map(len, pieces)) - len(writes),
     )
-    return result, chunks, refs
+    write_file(
+        storage,
+        name,
+        laid,
+        write_sources,
+        config,
+        progress,
+        [p.checksums for p in writes],
+        alongside=lambda result: write_index(result, chunks, refs),
+    )
 
 
 def _nbytes(p: Piece) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -62,11 +62,15 @@ def write_file(
     config: Config,
     progress: Callable[[int, int], None] | None = None,
     known: Sequence[tuple[str, ...]] | None = None,
+    alongside: Callable[[WriteResult], None] | None = None,
 ) -> WriteResult:
     """Write ``items`` from ``sources`` into ``name``; durable on return.
 
     ``progress(bytes_written, bytes_total)`` is called as each part lands. ``known``, when
     given, holds the items' checksums computed already (nothing is hashed again).
+    ``alongside(result)``, when given, runs once every part is written, while the file is
+    completed (the rank's index is written then, not after: on S3 its PUT overlaps the
+    completion of the upload); when either fails the file is aborted and the error raised.
     """
     rules = PartRules(
         target_bytes=config.window_bytes,
@@ -94,13 +98,32 @@ def write_file(
             if progress is not None:
                 progress(done, total)
         pool.shutdown()
-        handle.complete()
+        result = WriteResult(_ordered(digests, items, config.segment_bytes), total)
+        _complete(handle, result, alongside)
     except BaseException:
         handle.abort()
         raise
     finally:
         pool.shutdown(cancel_futures=True)
-    return WriteResult(_ordered(digests, items, config.segment_bytes), total)
+    return result
+
+
+def _complete(
+    handle: WriteHandle, result: WriteResult, alongside: Callable[[WriteResult], None] | None
+) -> None:
+    """Complete the file, with ``alongside(result)`` running meanwhile in another thread;
+    both are done when this returns or raises (the completion's error first)."""
+    if alongside is None:
+        handle.complete()
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="unickpt-alongside") as side:
+        fut = side.submit(alongside, result)
+        try:
+            handle.complete()
+        except BaseException:
+            wait([fut])
+            raise
+        fut.result()
 
 
 def _result(

@@ -200,6 +200,12 @@ class Storage(ABC):
     def remove(self, name: str) -> None:
         """Delete file ``name``; a missing file is no error."""
 
+    def remove_many(self, names: Sequence[str]) -> None:
+        """Delete files ``names``; missing ones are no error. One by one here; backends with
+        a batch delete override it (S3: one request per 1,000 files)."""
+        for name in names:
+            self.remove(name)
+
     @abstractmethod
     def remove_tree(self, name: str) -> None:
         """Delete sub-folder ``name`` and everything in it; a missing one is no error."""

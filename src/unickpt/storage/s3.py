@@ -54,18 +54,27 @@ def parse_s3_url(url: str) -> tuple[str, str]:
 
 
 class _MultipartHandle(WriteHandle):
-    """A data file of several parts: one multipart upload, parts uploaded in parallel."""
+    """A data file of several parts: one multipart upload, parts uploaded in parallel.
+
+    The upload declares the checksum its parts carry (CRC32, as boto3's transfer manager
+    does), so the server checks each part against it and keeps a checksum of the object
+    combined from the parts' (a composite one). An upload that declares none is given a CRC64
+    of the whole object instead (S3's default), which a server may compute when the upload is
+    completed, a pass over every byte that delays the completion (moto does).
+    """
 
     def __init__(self, store: S3Storage, key: str, part_sizes: Sequence[int]) -> None:
         super().__init__(f"s3://{store.bucket}/{key}", part_sizes, store.min_part_bytes)
         self._store, self._key = store, key
-        self._etags: dict[int, str] = {}
+        self._parts: dict[int, dict[str, Any]] = {}
         self._done = False
+        self._checksum = store.checksum_algorithm()
+        self._extra = {"ChecksumAlgorithm": self._checksum} if self._checksum else {}
         tries = []
 
         def start() -> Any:
             tries.append(1)
-            return store.client.create_multipart_upload(Bucket=store.bucket, Key=key)
+            return store.client.create_multipart_upload(Bucket=store.bucket, Key=key, **self._extra)
 
         resp = store._call(f"starting the upload of {self.location}", start)
         self._upload_id = str(resp["UploadId"])
@@ -83,14 +92,19 @@ class _MultipartHandle(WriteHandle):
                 UploadId=self._upload_id,
                 PartNumber=index + 1,
                 Body=BufferStream(buffers),
+                **self._extra,
             )
 
         resp = s._call(f"uploading part {index + 1} of {self.location}", upload)
+        part: dict[str, Any] = {"PartNumber": index + 1, "ETag": str(resp["ETag"])}
+        member = f"Checksum{self._checksum}"
+        if self._checksum and resp.get(member):
+            part[member] = str(resp[member])
         with self._cond:
-            self._etags[index] = str(resp["ETag"])
+            self._parts[index] = part
 
     def _complete(self) -> None:
-        parts = [{"PartNumber": i + 1, "ETag": self._etags[i]} for i in range(len(self.part_sizes))]
+        parts = [self._parts[i] for i in range(len(self.part_sizes))]
         s = self._store
 
         def finish() -> None:
@@ -197,6 +211,14 @@ class S3Storage(Storage):
     @property
     def location(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def checksum_algorithm(self) -> str | None:
+        """The checksum a multipart upload declares: CRC32 when the client adds checksums to
+        the requests that support them (botocore's default, ``request_checksum_calculation``
+        ``when_supported``); None when it adds them only where required
+        (``AWS_REQUEST_CHECKSUM_CALCULATION=when_required``, for servers without checksums)."""
+        mode = getattr(self.client.meta.config, "request_checksum_calculation", None)
+        return "CRC32" if mode in (None, "when_supported") else None
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{check_name(name)}" if self.prefix else check_name(name)
@@ -319,6 +341,10 @@ class S3Storage(Storage):
     def remove(self, name: str) -> None:
         self.remove_key(self._key(name))
 
+    def remove_many(self, names: Sequence[str]) -> None:
+        """Delete the files ``names`` with DeleteObjects, 1,000 per request."""
+        self._delete_keys([self._key(n) for n in names], f"s3://{self.bucket}/{self._folder()}")
+
     def remove_tree(self, name: str) -> None:
         """Delete every object under ``name/`` (1,000 per request) and abort its uploads."""
         folder = f"{self._key(name)}/"
@@ -326,18 +352,25 @@ class S3Storage(Storage):
         for page in self._pages(
             "list_objects_v2", f"listing s3://{self.bucket}/{folder}", Prefix=folder
         ):
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", ())]
-            for i in range(0, len(keys), 1000):
-                batch = {"Objects": keys[i : i + 1000], "Quiet": True}
-                delete = partial(self.client.delete_objects, Bucket=self.bucket, Delete=batch)
-                resp = self._call(f"deleting s3://{self.bucket}/{folder}", delete)
-                if resp.get("Errors"):
-                    first = resp["Errors"][0]
-                    raise CheckpointError(
-                        f"deleting s3://{self.bucket}/{first.get('Key')} failed: "
-                        f"{first.get('Code')} ({first.get('Message')}); check the bucket's "
-                        "permissions and delete the folder by hand."
-                    )
+            self._delete_keys(
+                [o["Key"] for o in page.get("Contents", ())], f"s3://{self.bucket}/{folder}"
+            )
+
+    def _delete_keys(self, keys: Sequence[str], where: str) -> None:
+        """Delete ``keys`` (missing ones are no error), 1,000 per request; ``where`` names
+        their folder in errors."""
+        for i in range(0, len(keys), 1000):
+            objects = [{"Key": k} for k in keys[i : i + 1000]]
+            batch = {"Objects": objects, "Quiet": True}
+            delete = partial(self.client.delete_objects, Bucket=self.bucket, Delete=batch)
+            resp = self._call(f"deleting objects in {where}", delete)
+            if resp.get("Errors"):
+                first = resp["Errors"][0]
+                raise CheckpointError(
+                    f"deleting s3://{self.bucket}/{first.get('Key')} failed: "
+                    f"{first.get('Code')} ({first.get('Message')}); check the bucket's "
+                    "permissions and delete the files by hand."
+                )
 
     def abort_uploads(self, prefix: str | None = None, keep: str | None = None) -> int:
         """Abort the unfinished multipart uploads under ``prefix`` (default: this folder), but

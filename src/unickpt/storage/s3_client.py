@@ -83,7 +83,13 @@ _CLIENTS: dict[tuple[Any, ...], Any] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 
-_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_ACCESS_KEY_ID")
+_ENV = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_PROFILE",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_REQUEST_CHECKSUM_CALCULATION",
+)
 
 
 def client_for(settings: S3Settings, endpoint_url: str | None = None) -> Any:

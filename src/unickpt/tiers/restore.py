@@ -309,6 +309,9 @@ class WithIndexes(Storage):
     def remove(self, name: str) -> None:
         self.base.remove(name)
 
+    def remove_many(self, names: Sequence[str]) -> None:
+        self.base.remove_many(names)
+
     def remove_tree(self, name: str) -> None:
         self.base.remove_tree(name)
 

@@ -3,7 +3,8 @@
 A small MLP with Adam trains ``--steps`` steps on two ranks that act as two nodes
 (``UNICKPT_NODE``), while the driver kills the whole job (SIGKILL, every rank) after a random
 time drawn with mean ``--mtbf`` seconds (counted once the job has restored its state), and
-restarts it, until the steps are done. Every other failure also wipes node b's memory folder
+restarts it, until the steps are done; both policies see the same failure times (``--seed``).
+Every other failure also wipes node b's memory folder
 (a node lost with its memory; the storage files are dropped from the page cache then, so a
 restore from storage reads the disk). Two policies:
 
@@ -339,8 +340,8 @@ def main() -> None:
     a["state_bytes"] = 3 * sum(p.numel() * 4 for p in model.parameters())  # weights + Adam
     a["every"] = max(1, round(math.sqrt(2 * cal["storage"] * args.mtbf) / cal["step"]))
     a["persist_every"] = max(1, round(args.persist_s / cal["step"]))
-    rng = random.Random(args.seed)
-    runs = [_run(policy, a, cal, rng) for policy in ("storage", "memory")]
+    # the same failure times for both policies: each draws from a generator seeded alike
+    runs = [_run(policy, a, cal, random.Random(args.seed)) for policy in ("storage", "memory")]
     print(
         f"step {cal['step'] * 1e3:.0f} ms, save stall: storage {cal['storage'] * 1e3:.0f} ms, "
         f"memory tier {cal['memory'] * 1e3:.0f} ms (medians, measured); "

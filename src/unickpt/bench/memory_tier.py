@@ -10,10 +10,12 @@ Each rank holds ``--mib`` MiB of float32 tensors (16 MiB each). Rows, medians ov
   until ``fut.wait()`` returns (the memory copy and the partner's replica committed), beside the
   raw gloo transfer of what replication moves: each rank's bytes to the other, one way then the
   other (the raw one-way transfer is the link figure of the restore row);
-- restore from local memory: a new process loads the newest step into zeroed tensors (unickpt,
-  ``last_restore.seconds``); DLRover: ``load_checkpoint()`` then the copy of its shared-memory
-  tensors into the state, in the process that saved (its standalone saver lives in the training
-  process);
+- restore from local memory (median of ``--restores``): a new process loads the newest step
+  into zeroed tensors (unickpt, ``load_latest``), once with checksums verified (the default) and
+  once without (``verify=False``: DLRover verifies none); DLRover: ``load_checkpoint()`` then
+  the copy of its shared-memory tensors into the state, in the process that saved (its
+  standalone saver, which serves the shared memory's metadata, lives in the training process
+  and ends with it: a new process finds no memory checkpoint);
 - restore from a peer (median of ``--restores``): node b's memory folder deleted, both ranks
   restart; node b's rank fetches its files from node a and loads; timed from the call of
   ``load_latest`` (both processes started and past a barrier, so neither counts the other's
@@ -43,6 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import unickpt
+from unickpt.config import get_config
 
 PIECE_MIB = 16
 
@@ -103,7 +106,8 @@ def _restore_job(rank: int, world: int, port: int, a: dict[str, Any], q: Any) ->
     _init(rank, world, port)
     os.environ["UNICKPT_NODE"] = f"node-{rank}"
     tier = unickpt.MemoryTier(persist_every=10**6, replicas=world, dir=a["dirs"][rank])
-    ckpt = unickpt.Checkpointer(a["root"], memory=tier)
+    config = get_config(verify=a.get("verify", True))
+    ckpt = unickpt.Checkpointer(a["root"], memory=tier, config=config)
     state = _state(a["mib"], -1.0, rank, world)
     dist.barrier()  # both processes started: neither counts the other's start
     t0 = time.perf_counter()
@@ -147,19 +151,22 @@ for step in range(saves + 1):
     t0 = time.perf_counter()
     ckpt.save_checkpoint(step, state, storage_type=StorageType.MEMORY)
     stalls.append(time.perf_counter() - t0)
-dest = {k: torch.zeros_like(v) for k, v in state.items()}
-t0 = time.perf_counter()
-loaded = ckpt.load_checkpoint()
-for k, v in dest.items():
-    v.copy_(loaded[k])
-restore = time.perf_counter() - t0
-assert all(torch.equal(dest[k], state[k]) for k in state)
-print("RESULT " + json.dumps({"stall": stalls[1:], "restore": restore}))
+restores = []
+for _ in range(int(sys.argv[5])):
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    t0 = time.perf_counter()
+    loaded = ckpt.load_checkpoint()
+    for k, v in dest.items():
+        v.copy_(loaded[k])
+    restores.append(time.perf_counter() - t0)
+    assert all(torch.equal(dest[k], state[k]) for k in state)
+print("RESULT " + json.dumps({"stall": stalls[1:], "restore": restores}))
 """
 
 
-def _dlrover(python: str, mib: int, saves: int, work: Path) -> dict[str, Any] | None:
+def _dlrover(python: str, mib: int, saves: int, work: Path, restores: int) -> dict[str, Any] | None:
     cmd = [python, "-c", _DLROVER, str(mib), str(saves), str(_port()), str(work / "dlrover")]
+    cmd.append(str(restores))
     job = f"unickpt-bench-{os.getpid()}"  # DLRover names its shared memory and sockets by it
     try:
         env = {**os.environ, "TORCHELASTIC_RUN_ID": job}
@@ -182,7 +189,7 @@ def _ms(values: list[float]) -> str:
 
 def measure(mib: int, saves: int, peers_python: str | None, restores: int = 3) -> dict[str, Any]:
     """Every row's figures (seconds), DLRover's under ``"dlrover"`` when ``peers_python``;
-    the restore from a peer ``restores`` times (node b's memory deleted before each)."""
+    each restore ``restores`` times (from a peer: node b's memory deleted before each)."""
     work = Path(tempfile.mkdtemp(prefix="unickpt-memory-bench-", dir="/dev/shm"))
     try:
         rows: dict[str, Any] = {"mib_per_rank": mib}
@@ -190,7 +197,12 @@ def measure(mib: int, saves: int, peers_python: str | None, restores: int = 3) -
         a = {**one, "mib": mib, "saves": saves}
         local = _spawn(1, _save_job, a)[0]
         rows["unickpt_stall"] = local["stall"]
-        rows["unickpt_restore_local"] = _spawn(1, _restore_job, a)[0]["restore"]
+        rows["unickpt_restore_local"] = [
+            _spawn(1, _restore_job, a)[0]["restore"] for _ in range(restores)
+        ]
+        rows["unickpt_restore_local_unverified"] = [
+            _spawn(1, _restore_job, {**a, "verify": False})[0]["restore"] for _ in range(restores)
+        ]
         dirs = {0: str(work / "ma"), 1: str(work / "mb")}
         two: dict[str, Any] = {"root": str(work / "store2"), "dirs": dirs}
         b = {**two, "mib": mib, "saves": saves}
@@ -206,7 +218,7 @@ def measure(mib: int, saves: int, peers_python: str | None, restores: int = 3) -
             peer.append(back[1]["restore"])
         rows["unickpt_restore_peer"] = peer
         if peers_python:
-            rows["dlrover"] = _dlrover(peers_python, mib, saves, work)
+            rows["dlrover"] = _dlrover(peers_python, mib, saves, work, restores)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows
@@ -215,8 +227,7 @@ def measure(mib: int, saves: int, peers_python: str | None, restores: int = 3) -
 def to_markdown(rows: dict[str, Any]) -> str:
     """The rows as a markdown table, unickpt beside DLRover."""
     d = rows.get("dlrover") or {}
-    restore = f"{rows['unickpt_restore_local'] * 1e3:.1f} ms"
-    theirs = f"{d['restore'] * 1e3:.1f} ms" if d else "n/a"
+    theirs = _ms(d["restore"]) if d else "n/a"
     lines = [
         f"| memory tier ({rows['mib_per_rank']} MiB per rank) | unickpt "
         "| DLRover flash checkpoint |",
@@ -225,7 +236,10 @@ def to_markdown(rows: dict[str, Any]) -> str:
         f"| replica committed on the peer (raw link, each rank's bytes to the other: "
         f"{_ms(rows['link_both_ways'])}) | "
         f"{_ms(rows['unickpt_replicated'])} | n/a (needs dlrover-run's agents) |",
-        f"| restore from local memory | {restore} | {theirs} |",
+        f"| restore from local memory (a new process; DLRover: in the saving process) | "
+        f"{_ms(rows['unickpt_restore_local'])} | {theirs} |",
+        "| restore from local memory, checksums not verified (DLRover has none) | "
+        f"{_ms(rows['unickpt_restore_local_unverified'])} | {theirs} |",
         f"| restore from a peer (raw link: {_ms(rows['link'])}) | "
         f"{_ms(rows['unickpt_restore_peer'])} | n/a |",
     ]

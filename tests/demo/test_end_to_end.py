@@ -14,9 +14,10 @@ from unickpt.demo.model import GPTConfig
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_demo_resumes_match_the_reference(tmp_path: Path) -> None:
+def test_demo_resumes_match_the_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a relative out_dir, as the default out/demo is
     config = DemoConfig(
-        out_dir=str(tmp_path / "demo"),
+        out_dir="out/demo",
         steps=12,
         save_every=2,
         batch_size=8,
@@ -52,4 +53,4 @@ def test_demo_resumes_match_the_reference(tmp_path: Path) -> None:
     report = render(result)
     assert "every resumed run matches the reference" in report
     assert "SIGKILLed" in report
-    assert f"checkpoints: {tmp_path / 'demo' / 'checkpoints'}" in report
+    assert f"checkpoints: {tmp_path / 'out' / 'demo' / 'checkpoints'}" in report

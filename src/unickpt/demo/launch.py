@@ -38,7 +38,8 @@ def launch_phase(config: DemoConfig, phase: Phase, sink: EventSink) -> None:
     """Runs ``phase`` in fresh processes and returns when they are gone."""
     context = _context()
     events: Any = context.Queue()
-    store = os.path.join(config.out_dir, f".rendezvous-{phase.name}")
+    # Absolute: a file:// URL of a relative path (the default out/demo) names a host instead.
+    store = os.path.abspath(os.path.join(config.out_dir, f".rendezvous-{phase.name}"))
     if os.path.exists(store):
         os.remove(store)
     processes = [

@@ -272,10 +272,11 @@ def test_the_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(s3_bucket: 
         unickpt.save(url, {"w": torch.ones(2)})
     release()
     open_storage(url).acquire_lock()()  # released: free again
-    # the holder refreshes its lock, so a live writer's lock never goes stale
-    quick = s3_settings(lock_stale_s=0.4)
+    # the holder refreshes its lock, so a live writer's lock never goes stale (the lock's age
+    # comes from whole-second HTTP times, so the stale bound must exceed a second or two)
+    quick = s3_settings(lock_stale_s=2.5)
     release = S3Storage(url, settings=quick).acquire_lock()
-    time.sleep(1.2)
+    time.sleep(3.0)
     with pytest.raises(unickpt.CheckpointLockedError, match=r"refreshed [01] s ago"):
         S3Storage(url, settings=quick).acquire_lock()
     release()

@@ -109,12 +109,10 @@ def verify_and_copy(
             check_segments(ref, u.lo + done, raw[done : done + segment], segment)
             done += segment
         c, pair = copies[i], rows[i]
-        if pair is not None:
+        if pair is not None:  # row views made once per part, not once per block
             np.copyto(pair[0][k:stop], pair[1][k:stop])
-        elif c.step:
-            copy_rows(c.dst[k:stop], c.src[k:stop])
         else:
-            copy_rows(c.dst, c.src)
+            copy_rows(c.dst[k:stop] if c.step else c.dst, c.src[k:stop] if c.step else c.src)
     while done < size:
         check_segments(ref, u.lo + done, raw[done : done + segment], segment)
         done += segment

@@ -95,7 +95,7 @@ class SavedChunks:
             mask = np.zeros(len(layout.files), dtype=bool)
             for box in boxes:
                 mask |= layout.overlapping(box.offsets, box.lengths)
-            found = self._near[name] = set(np.unique(layout.files[mask]).tolist())
+            found = self._near[name] = set(layout.files[mask].tolist())
         return found
 
     @property

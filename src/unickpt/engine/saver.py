@@ -410,7 +410,7 @@ def _chunk_map(plan: GlobalPlan, has_file: list[bool]) -> ChunkMap | None:
     position = np.cumsum(has_file) - 1
     writers = plan.box_writers
     found = None
-    if not len(writers) or all(has_file[w] for w in np.unique(writers).tolist()):
+    if not len(writers) or all(has_file[w] for w in set(writers.tolist())):
         ndims = {k: len(shape) for k, (_, shape, _) in plan.tensors.items()}
         found = build_chunk_map(
             ndims, plan.names, plan.box_keys, plan.box_coords, position[writers]

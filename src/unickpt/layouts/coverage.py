@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .arrays import distinct_rows
 from .boxes import Box
 
 # A box as (starts, ends) per dimension: the sweep's working form.
@@ -97,7 +98,7 @@ def is_grid(shape: Sequence[int], offsets: np.ndarray, lengths: np.ndarray) -> b
         return False
     cells = 1
     for d, size in enumerate(shape):
-        pairs = np.unique(np.stack([offsets[:, d], lengths[:, d]], axis=1), axis=0)
+        pairs = distinct_rows(np.stack([offsets[:, d], lengths[:, d]], axis=1))
         starts, spans = pairs[:, 0], pairs[:, 1]
         if (spans <= 0).any() or starts[0] != 0 or starts[-1] + spans[-1] != size:
             return False

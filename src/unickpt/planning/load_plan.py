@@ -16,6 +16,7 @@ import torch
 
 from ..errors import CheckpointCorruptError
 from ..format.metadata import ChunkMeta, TensorMeta
+from ..layouts.arrays import distinct
 from ..layouts.boxes import Box
 from ..layouts.coverage import TilingFault, tiling_fault
 from .patterns import pattern_of
@@ -52,7 +53,7 @@ class ChunkIndex:
         self.coords = coords
         self.dim = 0
         if ndim and len(coords):
-            spread = [len(np.unique(coords[:, d])) for d in range(ndim)]
+            spread = [len(distinct(coords[:, d])) for d in range(ndim)]
             self.dim = int(np.argmax(spread))
         along = coords[:, self.dim] if ndim else np.zeros(len(coords), dtype=np.int64)
         self.order = np.argsort(along, kind="stable")

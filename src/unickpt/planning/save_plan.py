@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import CheckpointMismatchError
 from ..format.dtypes import dtype_from_name, itemsize
+from ..layouts.arrays import distinct
 from ..layouts.boxes import Box
 from ..layouts.coverage import TilingFault
 from .packed import PackedPlan, box_of, pack, widen
@@ -387,7 +388,7 @@ def _holders(pattern: Pattern, ranks: np.ndarray) -> tuple[np.ndarray, _Held]:
         matrix = np.sort(grouped[starts[several][:, None] + np.arange(width[0])], axis=1)
         if (matrix[:, 1:] != matrix[:, :-1]).all():
             return several, matrix
-    return several, [np.unique(grouped[starts[j] : ends[j]]) for j in several.tolist()]
+    return several, [distinct(grouped[starts[j] : ends[j]]) for j in several.tolist()]
 
 
 def _refuse(

@@ -1,4 +1,5 @@
-"""A restore from a peer that loads while the files arrive: values, healing, damage, failure."""
+"""Restores from a peer: into the state or through files loaded while they arrive; values,
+healing, damage, failure."""
 
 from __future__ import annotations
 
@@ -38,29 +39,44 @@ def _kill(procs: list[multiprocessing.Process]) -> None:
         assert p.exitcode == -signal.SIGKILL
 
 
-def test_peer_restore_loads_while_arriving_and_heals_the_node(tmp_path: Path) -> None:
+def _step3(names: list[str]) -> list[str]:
+    kinds = ("COMMIT", "metadata-", "data-", "index-")
+    base = [n.rsplit("/", 1)[1] for n in names if "/step-000000003/" in n]
+    return [n for n in base if n.startswith(kinds)]
+
+
+def test_peer_restore_receives_into_the_state_and_leaves_the_node_folder(tmp_path: Path) -> None:
+    """Same layout: the chunks go straight into the state tensors, in pieces and in runs of
+    small chunks; no file is written, so the peer keeps serving them."""
     root, dirs = _saved(tmp_path)
     shutil.rmtree(dirs[1])  # node b is lost with its memory: rank 1 fetches both files
     rows = 2 * workers.ROWS
     results = run_ranks(2, workers.restart_in_pieces, root, dirs, NODES, rows, PIECE)
     assert [r[:2] for r in results] == [(3, "memory"), (3, "peer")]  # values checked bitwise
-    kinds = ("COMMIT", "metadata-", "data-", "index-")
-    step3 = [
-        [
-            n.rsplit("/", 1)[1]
-            for n in r[2]
-            if "/step-000000003/" in n and n.rsplit("/", 1)[1].startswith(kinds)
-        ]
-        for r in results
-    ]
-    assert step3[1] == step3[0]  # commit, metadata, both ranks' data and index files
-    assert len(step3[1]) == 6
-    # node b's folder is whole again: the next restart reads memory only
+    a, b = (_step3(r[2]) for r in results)
+    assert len(a) == 6  # commit, metadata, both ranks' data and index files
+    assert b == [n for n in a if n.startswith(("COMMIT", "metadata-"))]
     again = run_ranks(2, workers.restart_in_pieces, root, dirs, NODES, rows, PIECE)
+    assert [r[:2] for r in again] == [(3, "memory"), (3, "peer")]
+
+
+def test_resharded_peer_restore_loads_while_arriving_and_heals_the_node(tmp_path: Path) -> None:
+    """Split by columns, each rank needs part of every saved row: whole files are fetched into
+    the node's folder, loaded while they arrive, and the node holds them afterwards."""
+    root, dirs = _saved(tmp_path)
+    shutil.rmtree(dirs[1])
+    rows = 2 * workers.ROWS
+    results = run_ranks(2, workers.restart_in_pieces, root, dirs, NODES, rows, PIECE, True)
+    assert [r[:2] for r in results] == [(3, "memory"), (3, "peer")]  # values checked bitwise
+    a, b = (_step3(r[2]) for r in results)
+    assert len(a) == 6 and b == a
+    # node b's folder is whole again: the next restart reads memory only
+    again = run_ranks(2, workers.restart_in_pieces, root, dirs, NODES, rows, PIECE, True)
     assert [r[:2] for r in again] == [(3, "memory"), (3, "memory")]
 
 
-def test_damaged_replica_fails_the_load_then_storage_serves(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cols", [False, True], ids=["into-state", "into-files"])
+def test_damaged_replica_fails_the_load_then_storage_serves(tmp_path: Path, cols: bool) -> None:
     root, dirs = _saved(tmp_path)
     shutil.rmtree(dirs[1])
     (kept,) = Path(dirs[0]).rglob("step-000000003/data-*-00001.bin")  # rank 1's, on node a
@@ -68,7 +84,7 @@ def test_damaged_replica_fails_the_load_then_storage_serves(tmp_path: Path) -> N
     raw[PIECE + 10] ^= 0xFF  # in the second piece: found while the rest arrives
     kept.write_bytes(bytes(raw))
     rows = 2 * workers.ROWS
-    results = run_ranks(2, workers.restart_in_pieces, root, dirs, NODES, rows, PIECE)
+    results = run_ranks(2, workers.restart_in_pieces, root, dirs, NODES, rows, PIECE, cols)
     assert [r[:2] for r in results] == [(2, "storage"), (2, "storage")]
 
 

@@ -35,8 +35,21 @@ def state(step: int, rank: int, world: int, rows: int) -> dict[str, Any]:
     }
 
 
-def check(loaded: dict[str, Any], step: int, rank: int, world: int, rows: int) -> None:
-    want = state(step, rank, world, rows)
+def state_cols(step: int, rank: int, world: int, rows: int) -> dict[str, Any]:
+    """:func:`state` split by columns instead: every rank needs part of every saved row."""
+    per = COLS // world
+    block = full(step, rows // ROWS)[:, rank * per : (rank + 1) * per].clone()
+    return {
+        "w": unickpt.ShardedTensor(block, (rows, COLS), (0, rank * per)),
+        "b": torch.full((17,), float(step)),
+        "step": step,
+    }
+
+
+def check(
+    loaded: dict[str, Any], step: int, rank: int, world: int, rows: int, cols: bool = False
+) -> None:
+    want = (state_cols if cols else state)(step, rank, world, rows)
     assert torch.equal(loaded["w"].local, want["w"].local), f"rank {rank}: w differs"
     assert torch.equal(loaded["b"], want["b"]), f"rank {rank}: b differs"
     assert loaded["step"] == step
@@ -77,17 +90,19 @@ def restart(
     nodes: dict[int, str] | None,
     rows: int,
     close: bool,
+    cols: bool = False,
 ) -> tuple[int | None, str]:
-    """Load the newest step into this layout, check it exactly; (step, source)."""
+    """Load the newest step into this layout (split by columns with ``cols``), check it
+    exactly; (step, source)."""
     node_env(rank, nodes)
     tier = unickpt.MemoryTier(persist_every=100, replicas=2, dir=dirs[rank])
     ckpt = unickpt.Checkpointer(root, keep_last=3, memory=tier)
-    dest = state(-1, rank, world, rows)
+    dest = (state_cols if cols else state)(-1, rank, world, rows)
     step = ckpt.load_latest(dest)
     info = ckpt.last_restore
     assert info is not None and info.seconds > 0
     if step is not None:
-        check(dest, step, rank, world, rows)
+        check(dest, step, rank, world, rows, cols)
     if close:
         ckpt.close()
     return step, info.source
@@ -125,13 +140,14 @@ def restart_in_pieces(
     nodes: dict[int, str] | None,
     rows: int,
     piece: int,
+    cols: bool = False,
 ) -> tuple[int | None, str, list[str]]:
     """:func:`restart` with files sent in pieces of ``piece`` bytes; also the files in this
     rank's memory folder afterwards."""
     from unickpt.tiers import group
 
     group.PIECE_BYTES = piece
-    step, source = restart(rank, world, root, dirs, nodes, rows, False)
+    step, source = restart(rank, world, root, dirs, nodes, rows, False, cols)
     folder = Path(dirs[rank])
     names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     return step, source, names

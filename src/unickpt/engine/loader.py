@@ -330,9 +330,10 @@ def _set_values(plan: _Plan, comm: Comm, allow_pickle: bool) -> None:
             )
 
 
-def files_needed(meta: Metadata, state: dict[str, Any]) -> set[str]:
-    """The data files a load of ``state`` from a checkpoint with ``meta`` reads on this rank."""
+def reads_needed(meta: Metadata, state: dict[str, Any]) -> list[ReadItem]:
+    """The reads a load of ``state`` from a checkpoint with ``meta`` makes on this rank (each
+    saved chunk's part that a tensor of ``state`` needs, with its destination)."""
     flat = flatten_state(state, for_load=True)
     found = match_keys(meta, flat, strict=False)  # mismatches are reported by the load itself
     plan = _Plan(meta, flat, found, SavedKeys.of(meta))
-    return {r.file for r in _plan_all_reads(plan)}
+    return _plan_all_reads(plan)

@@ -6,8 +6,10 @@ memory maps of the node folders' files (no copy in between), in pieces of ``PIEC
 receiver sizes the new file (a recycled spare where there is one) and maps each piece just
 before it arrives, so that its pages are made while the previous pieces are already being read;
 an :class:`Arrivals` says how far each received file has come, for readers that go along with
-the transfer. Peak extra memory: none beyond the received file itself (which is the replica)
-and gloo's own buffers.
+the transfer. A transfer may carry only some byte ranges of a file, received straight into
+the training state (:mod:`unickpt.tiers.direct`). Peak extra memory: none beyond the received
+file itself (which is the replica), a scratch piece for runs of small chunks, and gloo's own
+buffers.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedCheckpointError
+from .direct import Targets, messages
 
 PIECE_BYTES = 64 << 20
+DIRECT_PIECE_BYTES = 8 << 20  # received straight into the state: verified while the next comes
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 T = TypeVar("T")
 
@@ -80,10 +84,14 @@ class TierGroup:
                 dist.barrier(group=self._pg)
 
     def exchange(
-        self, transfers: list[Transfer], arrived: Callable[[Path, int], None] | None = None
+        self,
+        transfers: list[Transfer],
+        arrived: Callable[[Path, int], None] | None = None,
+        targets: Targets | None = None,
     ) -> None:
         """Send or receive each transfer in turn (``send`` says which), blocking; after each
-        received piece, ``arrived(path, bytes so far)``.
+        received piece, ``arrived(path, bytes so far)``. A transfer with ``ranges`` moves those
+        byte ranges only, received into ``targets`` (:mod:`unickpt.tiers.direct`).
 
         Every rank passes its part of one list all ranks agree on, in that list's order; so the
         earliest unfinished transfer always has both ends waiting for it and nothing deadlocks,
@@ -92,6 +100,9 @@ class TierGroup:
         """
         with self._lost("file transfer"), ThreadPoolExecutor(1, "unickpt-map") as pool:
             for t in transfers:
+                if t.ranges:
+                    self._ranges(t, arrived, targets)
+                    continue
                 with _opened(t.path, t.nbytes, write=not t.send) as fd:
                     for end, piece in _pieces(fd, t.nbytes, not t.send, pool):
                         if t.send:
@@ -101,6 +112,31 @@ class TierGroup:
                         del piece  # the map closes once no tensor refers to it
                         if arrived is not None and not t.send:
                             arrived(t.path, end)
+
+    def _ranges(
+        self,
+        t: Transfer,
+        arrived: Callable[[Path, int], None] | None,
+        targets: Targets | None,
+    ) -> None:
+        """Send the ranges of ``t`` out of a map of its file, or receive them into ``targets``."""
+        peer = self.ranks[t.peer]
+        cut = messages(t.ranges, min(PIECE_BYTES, DIRECT_PIECE_BYTES))
+        if t.send:
+            with _opened(t.path, t.nbytes, write=False) as fd, _mapped(fd, t.nbytes) as whole:
+                for m in cut:
+                    dist.send(whole[m.start : m.end], peer, self._pg, tag=t.tag)
+            return
+        assert targets is not None
+        scratch = _Scratch()
+        for m in cut:
+            targets.receive(
+                t.path, m, lambda x: dist.recv(x, peer, self._pg, tag=t.tag), scratch.take
+            )
+            if arrived is not None:
+                arrived(t.path, m.end)
+        if arrived is not None:
+            arrived(t.path, t.nbytes)
 
     @contextlib.contextmanager
     def _lost(self, what: str) -> Iterator[None]:
@@ -117,13 +153,15 @@ class TierGroup:
 
 @dataclass(frozen=True)
 class Transfer:
-    """One file going to (``send``) or coming from ``peer`` (a group rank), under ``tag``."""
+    """One file going to (``send``) or coming from ``peer`` (a group rank), under ``tag``;
+    only its byte ranges ``(offset, nbytes)`` when ``ranges`` (sorted) names some."""
 
     path: Path
     nbytes: int
     peer: int
     tag: int
     send: bool
+    ranges: tuple[tuple[int, int], ...] = ()
 
 
 @contextlib.contextmanager
@@ -137,6 +175,36 @@ def _opened(path: Path, nbytes: int, write: bool) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _mapped(fd: int, nbytes: int) -> Iterator[torch.Tensor]:
+    """The whole file, read-only, as a uint8 tensor over a populated memory map."""
+    if not nbytes:
+        yield torch.empty(0, dtype=torch.uint8)
+        return
+    mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only: sent, never written
+            tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        yield tensor
+        del tensor
+    finally:
+        with contextlib.suppress(BufferError):
+            mm.close()
+
+
+class _Scratch:
+    """One receive buffer, grown as needed."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, size: int) -> torch.Tensor:
+        if self.buffer.numel() < size:
+            self.buffer = torch.empty(size, dtype=torch.uint8)
+        return self.buffer[:size]
 
 
 def _pieces(

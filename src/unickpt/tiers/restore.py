@@ -8,32 +8,46 @@
    files its node lacks (small, kept in memory: a node folder's index file always means its
    data is whole).
 4. Each rank plans its load (resharding included) and names the data files it reads that its
-   node lacks; each such file is sent once per node, rank to rank, into the node's folder (on a
+   node lacks; each such file is sent once per node, rank to rank. When every read of it is a
+   whole chunk into the state and only the receiving rank reads it (a restart into the layout
+   that saved), only those chunks are sent, straight into the state's tensors
+   (:mod:`unickpt.tiers.direct`), and no file is made: the peer's copy keeps serving it until
+   the node's next memory save. Otherwise the whole file goes into the node's folder (on a
    recycled spare when the node has one), its index written after it (healing the replica).
-5. Every rank loads from its node folder with the normal load path (checksums verified). When
-   only the receiving rank reads a fetched file, the load runs while the file arrives, each read
-   waiting for its bytes (:class:`Fetch`): a restore from a peer then takes about the transfer
-   plus the verification and copy of its last piece.
+5. Every rank loads with the normal load path (checksums verified). When only the receiving
+   rank reads a fetched file, the load runs while the bytes arrive, each read waiting for its
+   own (:class:`Fetch`): a restore from a peer then takes about the transfer plus the
+   verification of its last piece.
 
-Peak extra memory: the gathered index files; fetched files land in the node folder.
+Peak extra memory: the gathered index files, and a scratch piece for runs of small chunks;
+whole fetched files land in the node folder.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..engine.commit import read_checkpoint
-from ..engine.loader import files_needed
+from ..engine.loader import reads_needed
+from ..engine.read import is_direct
+from ..format.dtypes import byte_view
 from ..format.metadata import COMMIT_FILE
+from ..planning.load_plan import ReadItem
 from ..storage.base import Storage, WriteHandle
+from .direct import Targets
 from .group import Arrivals, TierGroup, Transfer
 from .memory import Holding, MemoryStore, index_of
 from .nodes import Nodes
 from .replicate import Committed, read_committed, write_commit
+
+Ranges = tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,7 @@ class Fetch:
         transfers: list[Transfer],
         alongside: bool,
         fetched: bool,
+        targets: Targets | None = None,
     ) -> None:
         self.fetched = fetched
         self._group = group
@@ -112,7 +127,8 @@ class Fetch:
         self._thread: threading.Thread | None = None
         receiving = {t.path: t.nbytes for t in transfers if not t.send}
         arrivals = Arrivals(receiving) if alongside and receiving else None
-        self.view = WithIndexes(folder, indexes, path, arrivals)
+        self._targets = targets
+        self.view = WithIndexes(folder, indexes, path, arrivals, targets)
         if not alongside:
             group.exchange(transfers)
             self._heal()
@@ -125,7 +141,8 @@ class Fetch:
 
     def _run(self, arrivals: Arrivals | None) -> None:
         try:
-            self._group.exchange(self._transfers, arrivals.arrived if arrivals else None)
+            arrived = arrivals.arrived if arrivals else None
+            self._group.exchange(self._transfers, arrived, self._targets)
         except BaseException as e:  # noqa: BLE001 - raised by finish, on the loading thread
             self._error = e
             if arrivals is not None:
@@ -144,7 +161,7 @@ class Fetch:
 
     def _heal(self) -> None:
         for t in self._transfers:
-            if not t.send:
+            if not t.send and not t.ranges:  # ranges went into the state, not into a file
                 name = index_of(t.path.name)
                 self._folder.write_atomic(name, self._indexes[name])
 
@@ -161,14 +178,36 @@ def fetch(
         if nodes.is_leader:
             write_commit(store, committed)
     folder = store.step(choice.step)
-    _, meta = read_checkpoint(WithIndexes(folder, indexes, store.step_path(choice.step)))
-    needed = files_needed(meta, state)
-    missing = sorted(f for f in needed if here not in choice.holders[f])
-    wanted = group.all_gather(missing)
-    transfers = _transfers(nodes, store, choice, committed, wanted)
-    alongside = not _shared_fetches(nodes, wanted)
     path = store.step_path(choice.step)
-    return Fetch(group, folder, path, indexes, transfers, alongside, bool(missing))
+    missing: dict[str, list[ReadItem]] = {}
+    if any(here not in holders for holders in choice.holders.values()):  # else none can be
+        _, meta = read_checkpoint(WithIndexes(folder, indexes, path))
+        for r in reads_needed(meta, state):
+            if here not in choice.holders[r.file]:
+                missing.setdefault(r.file, []).append(r)
+    wanted = group.all_gather([(f, _ranges(reads)) for f, reads in sorted(missing.items())])
+    alongside = not _shared_fetches(nodes, wanted)
+    transfers = _transfers(nodes, store, choice, committed, wanted, alongside)
+    targets = None
+    if alongside:
+        ranged = {t.path.name for t in transfers if t.ranges and not t.send}
+        targets = Targets({path / f: _destinations(missing[f]) for f in ranged})
+    return Fetch(group, folder, path, indexes, transfers, alongside, bool(missing), targets)
+
+
+def _ranges(reads: list[ReadItem]) -> tuple[tuple[int, int], ...]:
+    """The byte ranges of a file's chunks when every read of it is a whole chunk into
+    contiguous CPU memory (then they can be received straight there), else none."""
+    if not all(is_direct(r) for r in reads):
+        return ()
+    spans = sorted({(r.chunk.byte_offset, r.chunk.nbytes) for r in reads})
+    disjoint = all(a[0] + a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    return tuple(spans) if disjoint and len(spans) == len(reads) else ()
+
+
+def _destinations(reads: list[ReadItem]) -> list[tuple[int, torch.Tensor]]:
+    """Each chunk's file offset and the bytes of its destination."""
+    return [(r.chunk.byte_offset, byte_view(r.dest).reshape(-1)) for r in reads]
 
 
 def _commit_and_indexes(
@@ -195,12 +234,12 @@ def _commit_and_indexes(
     }
 
 
-def _shared_fetches(nodes: Nodes, wanted: list[list[str]]) -> bool:
+def _shared_fetches(nodes: Nodes, wanted: list[list[tuple[str, Ranges]]]) -> bool:
     """Whether a rank reads a file that another rank of its node receives."""
     seen: set[tuple[int, str]] = set()
     for rank, files in enumerate(wanted):
         node = nodes.node_of(rank)
-        for f in files:
+        for f, _ in files:
             if (node, f) in seen:
                 return True
             seen.add((node, f))
@@ -212,10 +251,12 @@ def _transfers(
     store: MemoryStore,
     choice: Choice,
     committed: Committed,
-    wanted: list[list[str]],
+    wanted: list[list[tuple[str, Ranges]]],
+    alongside: bool,
 ) -> list[Transfer]:
     """Each file a node needs, once: from a holder rank (spread over the holder's ranks) to the
-    node's first rank that asked. The same list on every rank."""
+    node's first rank that asked; only the ranges it named when it alone reads the file
+    (``alongside``) and named some. The same list on every rank."""
     sizes = {r.data: r.nbytes for r in committed.refs}
     folder = store.step_path(choice.step)
     transfers: list[Transfer] = []
@@ -223,14 +264,17 @@ def _transfers(
     tag = 0
     for rank, files in enumerate(wanted):
         node = nodes.node_of(rank)
-        for f in files:
+        for f, ranges in files:
             if (node, f) in seen:
                 continue
             seen.add((node, f))
             holder = nodes.members[choice.holders[f][0]]
             src = holder[tag % len(holder)]
+            ranges = ranges if alongside else ()
             if nodes.rank == src:
-                transfers.append(Transfer(folder / f, sizes[f], rank, tag, True))
+                transfers.append(Transfer(folder / f, sizes[f], rank, tag, True, ranges))
+            elif nodes.rank == rank and ranges:
+                transfers.append(Transfer(folder / f, sizes[f], src, tag, False, ranges))
             elif nodes.rank == rank:
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / index_of(f)).unlink(missing_ok=True)
@@ -242,7 +286,8 @@ def _transfers(
 
 class WithIndexes(Storage):
     """A node's step folder (at ``path``) with the index files (and commit) it lacks served
-    from memory; reads of a file still arriving wait for their bytes (``arrivals``)."""
+    from memory; reads of a file still arriving wait for their bytes (``arrivals``), and those
+    of a file received into the state (``targets``) are served from there."""
 
     def __init__(
         self,
@@ -250,11 +295,13 @@ class WithIndexes(Storage):
         extra: dict[str, bytes],
         path: Path,
         arrivals: Arrivals | None = None,
+        targets: Targets | None = None,
     ) -> None:
         self.base = base
         self.extra = extra
         self.path = path
         self.arrivals = arrivals
+        self.targets = targets
         self.maps_files = base.maps_files
         self.cheap_reads = base.cheap_reads
 
@@ -286,9 +333,14 @@ class WithIndexes(Storage):
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         self._wait(name, offset + out.nbytes)
-        self.base.read_into(name, offset, out)
+        if self.targets is not None and self.path / name in self.targets:
+            self.targets.serve(self.path / name, offset, out)
+        else:
+            self.base.read_into(name, offset, out)
 
     def map_range(self, name: str, offset: int, length: int) -> memoryview | None:
+        if self.targets is not None and self.path / name in self.targets:
+            return None  # no file: its bytes go straight into the state
         self._wait(name, offset + length)
         return self.base.map_range(name, offset, length)
 

@@ -8,6 +8,7 @@ split pattern as at save), so every wanted element comes from exactly one chunk.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -38,19 +39,21 @@ class ChunkIndex:
 
     The chunks' offsets and lengths are read into one array (one pass, no object per chunk);
     a destination box looks only at the chunks whose start along that dimension lies within
-    the longest chunk's reach of it, and builds objects only for those that overlap it.
+    the longest chunk's reach of it, and builds objects only for those that overlap it. A
+    tensor of a few chunks (most of them: one per rank that saved it, or one) is matched
+    chunk by chunk instead, without arrays: NumPy's cost per call would be most of it.
     """
 
     def __init__(self, chunks: tuple[ChunkMeta, ...] | list[ChunkMeta]) -> None:
         self.all = tuple(chunks)
         ndim = len(chunks[0].offsets) if chunks else 0
         self.ndim = ndim
-        coords = np.fromiter(
-            itertools.chain.from_iterable(c.offsets + c.lengths for c in self.all),
-            dtype=np.int64,
-            count=len(self.all) * 2 * ndim,
-        ).reshape(len(self.all), 2 * ndim)
-        self.coords = coords
+        self.few = len(self.all) <= _FEW
+        if self.few:
+            self.dim = _spread_dim([c.offsets for c in self.all], ndim)
+            self._few_order = sorted(range(len(self.all)), key=self._start)
+            return
+        coords = self.coords
         self.dim = 0
         if ndim and len(coords):
             spread = [len(distinct(coords[:, d])) for d in range(ndim)]
@@ -60,15 +63,36 @@ class ChunkIndex:
         self.starts = along[self.order]
         self.max_len = int(coords[:, ndim + self.dim].max()) if ndim and len(coords) else 0
 
+    def _start(self, i: int) -> int:
+        return self.all[i].offsets[self.dim] if self.ndim else 0
+
+    @functools.cached_property
+    def coords(self) -> np.ndarray:
+        """One row per chunk: its offsets, then its lengths."""
+        ndim = self.ndim
+        return np.fromiter(
+            itertools.chain.from_iterable(c.offsets + c.lengths for c in self.all),
+            dtype=np.int64,
+            count=len(self.all) * 2 * ndim,
+        ).reshape(len(self.all), 2 * ndim)
+
     @property
     def chunks(self) -> list[ChunkMeta]:
         """The chunks in the index's order."""
-        return [self.all[i] for i in self.order.tolist()]
+        order = self._few_order if self.few else self.order.tolist()
+        return [self.all[i] for i in order]
 
     def overlapping(self, box: Box) -> list[tuple[ChunkMeta, Box]]:
         """Chunks overlapping ``box``, each with the overlap."""
         if self.ndim == 0:
             return [(c, box) for c in self.chunks]
+        if self.few:
+            found = []
+            for chunk in self.chunks:
+                overlap = chunk.box.intersect(box)
+                if overlap is not None:
+                    found.append((chunk, overlap))
+            return found
         lo = box.offsets[self.dim] - self.max_len + 1
         hi = box.offsets[self.dim] + box.lengths[self.dim]
         first, last = np.searchsorted(self.starts, [lo, hi], side="left").tolist()
@@ -85,6 +109,19 @@ class ChunkIndex:
             if overlap is not None:
                 found.append((chunk, overlap))
         return found
+
+
+_FEW = 8
+
+
+def _spread_dim(offsets: list[tuple[int, ...]], ndim: int) -> int:
+    """The first dimension along which the offsets take the most distinct values."""
+    best, dim = 0, 0
+    for d in range(ndim):
+        n = len({o[d] for o in offsets})
+        if n > best:
+            best, dim = n, d
+    return dim
 
 
 def plan_reads(

@@ -24,7 +24,7 @@ from ..errors import CheckpointCorruptError
 from ..format.chunk_map import ChunkLayout
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.index_arrays import IndexChunks, TensorChunks, concat_indexes, decode_index_arrays
-from ..format.metadata import Metadata, TensorMeta
+from ..format.metadata import ChunkMeta, Metadata, TensorMeta
 from ..format.references import FileTable
 from ..layouts.boxes import Box
 from ..layouts.coverage import tiling_fault
@@ -33,6 +33,7 @@ from ..storage.base import Storage
 from .commit import read_index_bytes
 
 _READERS = 8
+_FEW = 8  # chunks of a tensor matched one by one rather than as arrays
 
 
 class SavedChunks:
@@ -142,10 +143,12 @@ class SavedChunks:
         the chunks of the indexes read, with the map's other boxes, tile it."""
         meta = self.meta.tensors[key]
         rows = self._rows.get(key)
+        if rows is not None and self._all is not None and 0 < len(rows) <= _FEW:
+            return self._build_few(key, meta, self._all.chunk_list(key, rows))
         found = None
         if rows is not None and self._all is not None:
             found = self._all.tensor(key, rows)
-        self._check_tiling(key, meta, found, self.files_read)
+        self._check_tiling(key, meta, found.coords if found else None, self.files_read)
         if found is None:
             return meta
         near = _overlapping(found, self._boxes[key])
@@ -153,13 +156,25 @@ class SavedChunks:
         near = near[np.lexsort(coords[:, : found.ndim].T[::-1])] if found.ndim else near
         return replace(meta, chunks=tuple(found.chunk(int(i)) for i in near))
 
+    def _build_few(self, key: str, meta: TensorMeta, chunks: list[ChunkMeta]) -> TensorMeta:
+        """:meth:`_build` for a tensor of a few chunks: matched one by one, without arrays."""
+        ndim = len(chunks[0].offsets)
+        coords = np.array([c.offsets + c.lengths for c in chunks], dtype=np.int64)
+        self._check_tiling(key, meta, coords.reshape(len(chunks), 2 * ndim), self.files_read)
+        boxes = self._boxes[key]
+        near = [c for c in chunks if any(c.box.intersect(b) is not None for b in boxes)]
+        near.sort(key=lambda c: c.offsets)
+        return replace(meta, chunks=tuple(near))
+
     def _check_tiling(
-        self, key: str, meta: TensorMeta, found: TensorChunks | None, read: set[int]
+        self, key: str, meta: TensorMeta, found: np.ndarray | None, read: set[int]
     ) -> None:
+        """Raise unless ``found`` (the coordinate rows of the chunks read, or None) with the
+        map's boxes of the indexes not read tile the tensor."""
         layout = self._layout(key)
         shape = meta.shape
         if layout is None:  # every index was read
-            rows = found.coords if found is not None else np.zeros((0, 2 * len(shape)), np.int64)
+            rows = found if found is not None else np.zeros((0, 2 * len(shape)), np.int64)
         else:
             assert self.meta.chunk_map is not None
             checked = (self.meta.chunk_map.tensors[key], shape)
@@ -170,7 +185,7 @@ class SavedChunks:
             listed = self._listed.get(number)
             if listed is None:
                 listed = self._listed[number] = np.isin(layout.files, list(read))
-            have = found.coords if found is not None else layout.coords[:0]
+            have = found if found is not None else layout.coords[:0]
             if _same_rows(layout.coords[listed], have):
                 return
             rows = np.concatenate([have, layout.coords[~listed]])
@@ -191,6 +206,8 @@ def _same_rows(a: np.ndarray, b: np.ndarray) -> bool:
         return False
     if not a.size:
         return True
+    if len(a) <= _FEW:
+        return sorted(a.tolist()) == sorted(b.tolist())
     return bool(np.array_equal(a[np.lexsort(a.T[::-1])], b[np.lexsort(b.T[::-1])]))
 
 

@@ -82,16 +82,34 @@ class IndexChunks:
         ends = np.searchsorted(self.key_ids[order], np.arange(len(self.keys) + 1))
         return {k: order[ends[i] : ends[i + 1]] for i, k in enumerate(self.keys)}
 
+    def chunk_list(self, key: str, rows: np.ndarray) -> list[ChunkMeta]:
+        """The chunks of ``key`` at ``rows`` (at least one) as objects, for a tensor of a few."""
+        ndims = self.ndims[rows].tolist()
+        ndim = ndims[0]
+        if any(n != ndim for n in ndims):
+            raise _mixed_dims(key)
+        dims = self.coords.shape[1] // 2
+        starts = self.sum_starts[rows].tolist()
+        ends = self.sum_starts[rows + 1].tolist()
+        return [
+            ChunkMeta(tuple(c[:ndim]), tuple(c[dims : dims + ndim]), f, b, n, tuple(self.sums[a:e]))
+            for c, f, b, n, a, e in zip(
+                self.coords[rows].tolist(),
+                self.files[rows].tolist(),
+                self.byte_offsets[rows].tolist(),
+                self.nbytes[rows].tolist(),
+                starts,
+                ends,
+            )
+        ]
+
     def tensor(self, key: str, rows: np.ndarray | None = None) -> TensorChunks:
         """The chunks of ``key`` (at ``rows``, default all of its rows)."""
         if rows is None:
             rows = self.by_key()[key]
         ndim = int(self.ndims[rows[0]]) if len(rows) else 0
         if len(rows) and (self.ndims[rows] != ndim).any():
-            raise CheckpointCorruptError(
-                f"the indexes list chunks of '{key}' with different numbers of dimensions; "
-                "the checkpoint is damaged. Load an earlier checkpoint."
-            )
+            raise _mixed_dims(key)
         dims = self.coords.shape[1] // 2
         coords = self.coords[rows]
         starts = self.sum_starts[rows]
@@ -106,6 +124,13 @@ class IndexChunks:
             sums,
             np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
         )
+
+
+def _mixed_dims(key: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"the indexes list chunks of '{key}' with different numbers of dimensions; "
+        "the checkpoint is damaged. Load an earlier checkpoint."
+    )
 
 
 def concat_indexes(parts: Sequence[IndexChunks]) -> IndexChunks:

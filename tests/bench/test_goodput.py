@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
+
+from tests.bench.scripts import load_script
 
 
 def _goodput() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "goodput.py"
-    spec = importlib.util.spec_from_file_location("goodput_script", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("goodput")
 
 
 def _start(step: int | None, *sources: str) -> dict:

@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
-
-def _script() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "load_planning.py"
-    spec = importlib.util.spec_from_file_location("load_planning_script", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.bench.scripts import load_script
 
 
 def test_every_system_loads_the_saved_values() -> None:
-    script = _script()
+    script = load_script("load_planning")
     result = script.measure(tensors=13, runs=1)  # each load is checked bitwise inside
     assert sorted(result) == ["dcp", "torch.load", "unickpt"]
     assert all(r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in result.values())

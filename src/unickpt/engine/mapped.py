@@ -36,6 +36,7 @@ from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
 from .exchange import ExchangeStats
 from .read import ChunkRef, read_chunk_bytes
+from .scratch import Scratch
 from .unit_copy import copy_parts, verify_and_copy
 
 
@@ -50,7 +51,7 @@ def run_mapped_exchange(
 ) -> ExchangeStats:
     """Fill this rank's exchanged items (``needed[i]`` for need ``i``); no collective."""
     tasks: list[Callable[[], tuple[int, int, int]]] = []
-    scratch = _Scratch()
+    scratch = Scratch()
     mine = [u for u in plan.units if u.owner == rank or any(p.rank == rank for p in u.parts)]
     maps = _Maps(storage, mine)
     for u in sorted(mine, key=lambda u: (u.file, u.chunk.byte_offset + u.lo)):
@@ -112,23 +113,10 @@ def _tensor(view: memoryview) -> torch.Tensor:
     )
 
 
-class _Scratch(threading.local):
-    """One buffer per thread, grown as needed and reused: fresh pages for every unit would cost
-    a page fault and the kernel's zeroing per 4 KiB."""
-
-    def __init__(self) -> None:
-        self.buffer = torch.empty(0, dtype=torch.uint8)
-
-    def take(self, size: int) -> torch.Tensor:
-        if self.buffer.numel() < size:
-            self.buffer = torch.empty(size, dtype=torch.uint8)
-        return self.buffer[:size]
-
-
 def _owned(
     storage: Storage,
     maps: _Maps,
-    scratch: _Scratch,
+    scratch: Scratch,
     u: Unit,
     needed: Sequence[ReadItem],
     rank: int,
@@ -155,7 +143,7 @@ def _owned(
 def _shared(
     storage: Storage,
     maps: _Maps,
-    scratch: _Scratch,
+    scratch: Scratch,
     u: Unit,
     needed: Sequence[ReadItem],
     rank: int,

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..engine.scratch import Scratch
 from ..errors import DistributedCheckpointError
 from .direct import Targets, messages
 
@@ -128,7 +129,7 @@ class TierGroup:
                     dist.send(whole[m.start : m.end], peer, self._pg, tag=t.tag)
             return
         assert targets is not None
-        scratch = _Scratch()
+        scratch = Scratch()
         for m in cut:
             targets.receive(
                 t.path, m, lambda x: dist.recv(x, peer, self._pg, tag=t.tag), scratch.take
@@ -193,18 +194,6 @@ def _mapped(fd: int, nbytes: int) -> Iterator[torch.Tensor]:
     finally:
         with contextlib.suppress(BufferError):
             mm.close()
-
-
-class _Scratch:
-    """One receive buffer, grown as needed."""
-
-    def __init__(self) -> None:
-        self.buffer = torch.empty(0, dtype=torch.uint8)
-
-    def take(self, size: int) -> torch.Tensor:
-        if self.buffer.numel() < size:
-            self.buffer = torch.empty(size, dtype=torch.uint8)
-        return self.buffer[:size]
 
 
 def _pieces(

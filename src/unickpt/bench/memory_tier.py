@@ -13,8 +13,10 @@ Each rank holds ``--mib`` MiB of float32 tensors (16 MiB each). Rows, medians ov
 - restore from local memory (median of ``--restores``): a new process loads the newest step
   into zeroed tensors (unickpt, ``load_latest``), once with checksums verified (the default) and
   once without (``verify=False``: DLRover verifies none); DLRover: ``load_checkpoint()`` then
-  the copy of its shared-memory tensors into the state, in the process that saved (its
-  standalone saver, which serves the shared memory's metadata, lives in the training process
+  the copy of its shared-memory tensors into the state, twice: in a new process, the saver
+  running in a separate long-lived process as ``dlrover-run``'s agent runs it (the training
+  processes set ``ROLE_NAME=dlrover-trainer``), which is the restart a memory tier is for; and
+  in the process that saved, without an agent (its saver then lives in the training process
   and ends with it: a new process finds no memory checkpoint);
 - restore from a peer (median of ``--restores``): node b's memory folder deleted, both ranks
   restart; node b's rank fetches its files from node a and loads; timed from the call of
@@ -133,54 +135,136 @@ def _spawn(world: int, fn: Any, a: dict[str, Any]) -> list[dict[str, Any]]:
     return [out[r] for r in range(world)]
 
 
+# DLRover's side. Modes: "standalone" (its saver in this process: saves, then restores here),
+# "save" and "load" (its saver in a separate agent process, as ``dlrover-run`` starts it: one
+# process saves and exits, each restore is a new process finding the checkpoint in the agent's
+# memory). Arguments: mode, MiB, saves, port, checkpoint folder, restores.
 _DLROVER = r"""
-import json, os, statistics, sys, time, torch
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", WORLD_SIZE="1",
-                  LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+import json, os, sys, time, torch
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[4], RANK="0", WORLD_SIZE="1")
 import torch.distributed as dist
 dist.init_process_group("gloo")
 from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
-mib, saves = int(sys.argv[1]), int(sys.argv[2])
+mode, mib, saves = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 n = max(1, mib // 16)
 state = {f"t{i}": torch.full((16 << 18,), float(i)) for i in range(n)}
-ckpt = DdpCheckpointer(sys.argv[4])
-stalls = []
-for step in range(saves + 1):
-    for t in state.values():
-        t.add_(1)
-    t0 = time.perf_counter()
-    ckpt.save_checkpoint(step, state, storage_type=StorageType.MEMORY)
-    stalls.append(time.perf_counter() - t0)
-restores = []
-for _ in range(int(sys.argv[5])):
-    dest = {k: torch.zeros_like(v) for k, v in state.items()}
-    t0 = time.perf_counter()
-    loaded = ckpt.load_checkpoint()
-    for k, v in dest.items():
-        v.copy_(loaded[k])
-    restores.append(time.perf_counter() - t0)
-    assert all(torch.equal(dest[k], state[k]) for k in state)
-print("RESULT " + json.dumps({"stall": stalls[1:], "restore": restores}))
+ckpt = DdpCheckpointer(sys.argv[5])
+result = {"stall": [], "restore": []}
+if mode != "load":
+    for step in range(saves + 1):
+        for t in state.values():
+            t.add_(1)
+        t0 = time.perf_counter()
+        ckpt.save_checkpoint(step, state, storage_type=StorageType.MEMORY)
+        result["stall"].append(time.perf_counter() - t0)
+    del result["stall"][0]  # the first save allocates
+if mode == "save":
+    time.sleep(1)  # the agent takes the last step's metadata
+else:
+    expected = state if mode == "standalone" else {k: v + saves + 1 for k, v in state.items()}
+    for _ in range(int(sys.argv[6])):
+        dest = {k: torch.zeros_like(v) for k, v in state.items()}
+        t0 = time.perf_counter()
+        loaded = ckpt.load_checkpoint()
+        for k, v in dest.items():
+            v.copy_(loaded[k])
+        result["restore"].append(time.perf_counter() - t0)
+        assert all(torch.equal(dest[k], expected[k]) for k in state), "values differ"
+print("RESULT " + json.dumps(result), flush=True)
+if mode != "standalone":  # as a killed trainer: no teardown that could touch the agent's memory
+    os._exit(0)  # (standalone, the normal exit ends the saver process it started)
+"""
+
+_DLROVER_AGENT = r"""
+from dlrover.trainer.torch.flash_checkpoint.engine import start_async_save
+start_async_save()
 """
 
 
-def _dlrover(python: str, mib: int, saves: int, work: Path, restores: int) -> dict[str, Any] | None:
-    cmd = [python, "-c", _DLROVER, str(mib), str(saves), str(_port()), str(work / "dlrover")]
-    cmd.append(str(restores))
-    job = f"unickpt-bench-{os.getpid()}"  # DLRover names its shared memory and sockets by it
-    try:
-        env = {**os.environ, "TORCHELASTIC_RUN_ID": job}
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
-    finally:  # what DLRover leaves behind after its process ended
-        for leftover in Path("/dev/shm").glob(f"{job}_*"):
-            leftover.unlink(missing_ok=True)
-        shutil.rmtree(f"/tmp/ckpt_sock/{job}", ignore_errors=True)
+def _dlrover_run(python: str, mode: str, env: dict[str, str], *args: object) -> Any:
+    cmd = [python, "-c", _DLROVER, mode, *map(str, args)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    return _result(done)
+
+
+def _result(done: subprocess.CompletedProcess[str]) -> dict[str, Any] | None:
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         print(done.stdout[-2000:], done.stderr[-2000:], file=sys.stderr)
         return None
     result: dict[str, Any] = json.loads(line[len("RESULT ") :])
     return result
+
+
+def _dlrover_cleanup(job: str) -> None:
+    """What DLRover leaves behind after its processes ended: shared memory and sockets."""
+    for leftover in Path("/dev/shm").glob(f"{job}_*"):
+        leftover.unlink(missing_ok=True)
+    shutil.rmtree(f"/tmp/ckpt_sock/{job}", ignore_errors=True)
+
+
+def _dlrover_env(job: str, **extra: str) -> dict[str, str]:
+    # DLRover names its shared memory and sockets after the job
+    return {
+        **os.environ,
+        "TORCHELASTIC_RUN_ID": job,
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        **extra,
+    }
+
+
+def _dlrover_in_process(python: str, mib: int, saves: int, work: Path, restores: int) -> Any:
+    job = f"unickpt-bench-{os.getpid()}"
+    try:
+        args = (mib, saves, _port(), work / "dlrover", restores)
+        return _dlrover_run(python, "standalone", _dlrover_env(job), *args)
+    finally:
+        _dlrover_cleanup(job)
+
+
+def _dlrover_restarted(python: str, mib: int, saves: int, work: Path, restores: int) -> Any:
+    """Stall and new-process restores with DLRover's saver in its own agent process."""
+    job = f"unickpt-bench-agent-{os.getpid()}"
+    agent_env = _dlrover_env(job)
+    agent = subprocess.Popen(
+        [python, "-c", _DLROVER_AGENT], env=agent_env, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(Path(f"/tmp/ckpt_sock/{job}").glob("*")):  # the agent's sockets are up
+            if agent.poll() is not None or time.monotonic() > deadline:
+                print("DLRover's agent did not start", file=sys.stderr)
+                return None
+            time.sleep(0.1)
+        env = _dlrover_env(job, ROLE_NAME="dlrover-trainer")  # the agent saves, not the trainer
+        folder = work / "dlrover-agent"
+        saved = _dlrover_run(python, "save", env, mib, saves, _port(), folder, 0)
+        loads = [
+            _dlrover_run(python, "load", env, mib, saves, _port(), folder, 1)
+            for _ in range(restores)
+        ]
+        if saved is None or any(x is None for x in loads):
+            return None
+        return {"stall": saved["stall"], "restore": [x["restore"][0] for x in loads]}
+    finally:
+        agent.kill()
+        agent.wait()
+        _dlrover_cleanup(job)
+
+
+def _dlrover(python: str, mib: int, saves: int, work: Path, restores: int) -> dict[str, Any] | None:
+    """DLRover's figures: ``stall``/``restore`` with its agent (the restore in a new process),
+    ``stall_in_process``/``restore_in_process`` without one (the restore where it saved)."""
+    restarted = _dlrover_restarted(python, mib, saves, work, restores)
+    in_process = _dlrover_in_process(python, mib, saves, work, restores)
+    if restarted is None or in_process is None:
+        return None
+    return {
+        **restarted,
+        "stall_in_process": in_process["stall"],
+        "restore_in_process": in_process["restore"],
+    }
 
 
 def _ms(values: list[float]) -> str:
@@ -227,19 +311,25 @@ def measure(mib: int, saves: int, peers_python: str | None, restores: int = 3) -
 def to_markdown(rows: dict[str, Any]) -> str:
     """The rows as a markdown table, unickpt beside DLRover."""
     d = rows.get("dlrover") or {}
-    theirs = _ms(d["restore"]) if d else "n/a"
+
+    def theirs(key: str) -> str:
+        return _ms(d[key]) if d.get(key) else "n/a"
+
     lines = [
         f"| memory tier ({rows['mib_per_rank']} MiB per rank) | unickpt "
         "| DLRover flash checkpoint |",
         "| --- | --- | --- |",
-        f"| save stall | {_ms(rows['unickpt_stall'])} | {_ms(d['stall']) if d else 'n/a'} |",
+        f"| save stall (DLRover: with its agent; without: {theirs('stall_in_process')}) | "
+        f"{_ms(rows['unickpt_stall'])} | {theirs('stall')} |",
         f"| replica committed on the peer (raw link, each rank's bytes to the other: "
         f"{_ms(rows['link_both_ways'])}) | "
-        f"{_ms(rows['unickpt_replicated'])} | n/a (needs dlrover-run's agents) |",
-        f"| restore from local memory (a new process; DLRover: in the saving process) | "
-        f"{_ms(rows['unickpt_restore_local'])} | {theirs} |",
+        f"{_ms(rows['unickpt_replicated'])} | n/a (no replicas in memory) |",
+        "| restore from local memory in a new process (DLRover: from its agent) | "
+        f"{_ms(rows['unickpt_restore_local'])} | {theirs('restore')} |",
         "| restore from local memory, checksums not verified (DLRover has none) | "
-        f"{_ms(rows['unickpt_restore_local_unverified'])} | {theirs} |",
+        f"{_ms(rows['unickpt_restore_local_unverified'])} | {theirs('restore')} |",
+        "| DLRover without an agent: restore in the process that saved | n/a "
+        f"| {theirs('restore_in_process')} |",
         f"| restore from a peer (raw link: {_ms(rows['link'])}) | "
         f"{_ms(rows['unickpt_restore_peer'])} | n/a |",
     ]

@@ -1,0 +1,23 @@
+"""The memory tier benchmark's own rows, measured for real on a small state."""
+
+from __future__ import annotations
+
+from unickpt.bench import memory_tier
+
+
+def test_every_unickpt_row_is_measured_and_restores_the_saved_values() -> None:
+    # the restore jobs assert the values they loaded and where they came from (memory, peer)
+    rows = memory_tier.measure(mib=16, saves=1, peers_python=None, restores=1)
+    assert rows["mib_per_rank"] == 16
+    for key in ("unickpt_stall", "unickpt_restore_local", "unickpt_restore_local_unverified"):
+        assert len(rows[key]) == 1 and rows[key][0] > 0, key
+    assert len(rows["unickpt_replicated"]) == 2  # one save after the first, on each rank
+    assert len(rows["unickpt_restore_peer"]) == 1
+    assert len(rows["link"]) == 3 and len(rows["link_both_ways"]) == 3
+    assert "dlrover" not in rows
+    table = memory_tier.to_markdown(rows).splitlines()
+    assert table[0] == "| memory tier (16 MiB per rank) | unickpt | DLRover flash checkpoint |"
+    assert len(table) == 8
+    assert table[4].startswith("| restore from local memory in a new process")
+    assert table[4].endswith("| n/a |")
+    assert "without: n/a" in table[2]

@@ -163,7 +163,7 @@ def async_save(
         fut.blocking_s = time.perf_counter() - fut.started_s
         return fut
     try:
-        sources = snapshot(prep.items, prep.views, ARENA, cfg.io_threads)
+        sources = snapshot(prep.items, prep.views, ARENA, cfg.io_threads, intra_op=True)
     except BaseException:
         if prep.release is not None:
             prep.release()

@@ -68,7 +68,9 @@ def test_intra_op_copies_only_where_every_rank_s_threads_fit_the_cores(
         assert intra_op_fits() == (cores >= 2)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
         assert not intra_op_fits()  # 2 threads for each of `cores` ranks
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
+        assert intra_op_fits() == (cores >= 2)  # unreadable: no process group, one rank
         monkeypatch.delenv("LOCAL_WORLD_SIZE")
-        assert intra_op_fits() == (cores >= 2)  # no process group: one rank
+        assert intra_op_fits() == (cores >= 2)
     finally:
         torch.set_num_threads(before)

@@ -140,7 +140,8 @@ def intra_op_fits() -> bool:
     threads = torch.get_num_threads()
     if threads < 2:
         return False
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    local = int(value) if value.isdigit() else 0
     if local < 1:
         dist = torch.distributed
         local = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

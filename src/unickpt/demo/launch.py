@@ -11,6 +11,7 @@ in flight), and stops the other ranks, as ``torchrun`` does when a worker dies.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -96,6 +97,7 @@ def run_under_torchrun(config: DemoConfig, sink: EventSink) -> int:
 
 
 def _worker(config: DemoConfig, phase: Phase, rank: int, store: str, events: Any) -> None:
+    faulthandler.enable()  # a worker killed by a fatal signal prints where it was first
     with _process_group(phase.world_size, rank, f"file://{store}"):
         run_phase(config, phase, events.put if rank == 0 else discard)
     events.close()

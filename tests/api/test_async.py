@@ -184,3 +184,23 @@ def test_async_mixed_dtypes_and_layouts(tmp_path: Path) -> None:
     unickpt.load(tmp_path / "m", dest)
     for k, v in state.items():
         assert torch.equal(dest[k], v), k
+
+
+def test_large_tensors_changed_after_the_call_are_saved_as_they_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large host tensors are copied on torch's intra-op threads where they fit the cores;
+    either way the copy is done when ``async_save`` returns."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(512, 1024, generator=g)
+    state = {"big": torch.randn(3 << 20, generator=g), "wide_t": wide.t(), "small": torch.ones(8)}
+    before = {k: v.clone() for k, v in state.items()}
+    fut = unickpt.async_save(tmp_path / "c", state)
+    for v in state.values():
+        v.mul_(-2)  # the next training step, right after the call
+    fut.wait()
+    dest = {k: torch.zeros_like(v.contiguous()) for k, v in state.items()}
+    unickpt.load(tmp_path / "c", dest)
+    for k, v in before.items():
+        assert torch.equal(dest[k].view(torch.uint8), v.contiguous().view(torch.uint8)), k

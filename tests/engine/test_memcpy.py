@@ -1,11 +1,14 @@
-"""Row copies through NumPy: bitwise equal to ``Tensor.copy_`` for every layout they take."""
+"""Row copies through NumPy: bitwise equal to ``Tensor.copy_`` for every layout they take; when
+large copies may use torch's intra-op threads."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from unickpt.engine.memcpy import copy_rows, host_rows
+from unickpt.engine.memcpy import copy_rows, host_rows, intra_op_fits
 
 
 def _source(dtype: torch.dtype) -> torch.Tensor:
@@ -48,3 +51,24 @@ def test_layouts_numpy_does_not_take_fall_back_to_torch() -> None:
     empty = torch.zeros(0, 16)
     copy_rows(empty, src[0, :0])
     assert empty.shape == (0, 16)
+
+
+def test_intra_op_copies_only_where_every_rank_s_threads_fit_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cores = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        assert not intra_op_fits()  # one thread: nothing to split
+        torch.set_num_threads(2)
+        assert intra_op_fits() == (cores >= 2)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+        assert not intra_op_fits()  # 2 threads for each of `cores` ranks
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
+        assert intra_op_fits() == (cores >= 2)  # unreadable: no process group, one rank
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        assert intra_op_fits() == (cores >= 2)
+    finally:
+        torch.set_num_threads(before)

@@ -1,9 +1,8 @@
-import os
-
 import pytest
 import torch
 
-from unickpt.engine.staging import LARGE_COPY_BYTES, StagingArena, intra_op_fits, snapshot
+from unickpt.engine.memcpy import LARGE_COPY_BYTES
+from unickpt.engine.staging import StagingArena, snapshot
 from unickpt.layouts.boxes import Box
 from unickpt.planning.save_plan import WriteItem
 
@@ -53,24 +52,3 @@ def test_a_failing_check_stops_the_snapshot_with_its_error(intra_op: bool) -> No
 
     with pytest.raises(RuntimeError, match="tensor 't1' changed while it was copied"):
         snapshot(_items(views), views, StagingArena(), 2, check, intra_op)
-
-
-def test_intra_op_copies_only_where_every_rank_s_threads_fit_the_cores(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    cores = len(os.sched_getaffinity(0))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-        assert not intra_op_fits()  # one thread: nothing to split
-        torch.set_num_threads(2)
-        assert intra_op_fits() == (cores >= 2)
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
-        assert not intra_op_fits()  # 2 threads for each of `cores` ranks
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
-        assert intra_op_fits() == (cores >= 2)  # unreadable: no process group, one rank
-        monkeypatch.delenv("LOCAL_WORLD_SIZE")
-        assert intra_op_fits() == (cores >= 2)
-    finally:
-        torch.set_num_threads(before)

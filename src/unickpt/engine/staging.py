@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 
 from ..planning.save_plan import WriteItem
-from .memcpy import copy_tensor
+from .memcpy import LARGE_COPY_BYTES, copy_tensor, intra_op_fits
 from .write import ItemSource
 
 
@@ -123,29 +123,6 @@ def snapshot(
 
 
 _Job = tuple[int, torch.Tensor, torch.Tensor]
-
-
-# One parallel region per copy costs a few microseconds; at 1 MiB that is under 1% of the copy.
-LARGE_COPY_BYTES = 1 << 20
-
-
-def intra_op_fits() -> bool:
-    """Whether torch's intra-op threads of every rank on this host fit its cores together.
-
-    Ranks per host: ``LOCAL_WORLD_SIZE`` (set by torchrun), else the whole process group (an
-    upper bound). Oversubscribed, the intra-op threads' barriers spin against the other ranks'
-    threads: with 2 ranks of 2 threads on 2 cores a 256 MiB snapshot took 100-118 ms through
-    them against 68-70 ms on the engine's threads.
-    """
-    threads = torch.get_num_threads()
-    if threads < 2:
-        return False
-    value = os.environ.get("LOCAL_WORLD_SIZE", "")
-    local = int(value) if value.isdigit() else 0
-    if local < 1:
-        dist = torch.distributed
-        local = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return threads * local <= len(os.sched_getaffinity(0))
 
 
 def _copy_large(jobs: list[_Job], check: Callable[[int], None] | None) -> list[_Job]:

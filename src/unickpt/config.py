@@ -48,9 +48,15 @@ class Config:
             raise CheckpointError("collective_timeout_s must be positive.")
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
 def _parse(value: str, kind: type) -> object:
     if kind is bool:
-        return value.strip().lower() in ("1", "true", "yes", "on")
+        word = value.strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise ValueError(value)
+        return word in _TRUE
     return kind(value)
 
 
@@ -66,10 +72,25 @@ def env_overrides(cls: type, prefix: str) -> dict[str, object]:
             try:
                 env[f.name] = _parse(raw, kind)
             except ValueError:
-                raise CheckpointError(f"{name}={raw!r} is not a valid {kind.__name__}.") from None
+                raise CheckpointError(
+                    f"{name}={raw!r} is not a valid {kind.__name__}"
+                    + (
+                        f" (expected one of {', '.join(_TRUE + _FALSE[:-1])})."
+                        if kind is bool
+                        else "."
+                    )
+                ) from None
     return env
 
 
 def get_config(**overrides: object) -> Config:
     """The defaults, then ``UNICKPT_*`` environment variables, then ``overrides``."""
-    return replace(Config(), **env_overrides(Config, "UNICKPT_"), **overrides)  # type: ignore[arg-type]
+    known = {f.name for f in fields(Config)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise CheckpointError(
+            f"unknown config field(s) {', '.join(unknown)}; "
+            f"expected some of {', '.join(sorted(known))}."
+        )
+    merged = {**env_overrides(Config, "UNICKPT_"), **overrides}  # an argument beats the environment
+    return replace(Config(), **merged)  # type: ignore[arg-type]

@@ -19,7 +19,6 @@ class Config:
     segment_bytes: int = 1 * MiB
     small_chunk_bytes: int = 1 * MiB
     staging_budget_bytes: int = 16 * 1024 * MiB
-    sync_staging_bytes: int = 256 * MiB
     read_piece_bytes: int = 64 * MiB
     verify: bool = True
     share_reads: bool = True

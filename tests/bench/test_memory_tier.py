@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from unickpt.bench import memory_tier
 
 
@@ -21,3 +24,16 @@ def test_every_unickpt_row_is_measured_and_restores_the_saved_values() -> None:
     assert table[4].startswith("| restore from local memory in a new process")
     assert table[4].endswith("| n/a |")
     assert "without: n/a" in table[2]
+
+
+def _affinity(rank: int, world: int, port: int, a: dict[str, Any], q: Any) -> None:
+    q.put((rank, sorted(os.sched_getaffinity(0))))
+
+
+def test_pinned_nodes_run_on_a_cpu_each_and_the_parent_keeps_its_own() -> None:
+    before = os.sched_getaffinity(0)
+    cpus = sorted(before)
+    pinned = memory_tier._spawn(2, _affinity, {}, pin=True)
+    assert pinned == [[cpus[0]], [cpus[1 % len(cpus)]]]
+    assert os.sched_getaffinity(0) == before
+    assert memory_tier._spawn(2, _affinity, {}) == [cpus, cpus]

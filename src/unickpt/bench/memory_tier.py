@@ -23,6 +23,9 @@ Each rank holds ``--mib`` MiB of float32 tensors (16 MiB each). Rows, medians ov
   ``load_latest`` (both processes started and past a barrier, so neither counts the other's
   start) until the state holds the values (checked afterwards).
 
+With ``--pin-nodes`` the two-node rows run each node's process on a CPU of its own, the nearest
+one machine comes to two hosts.
+
 unickpt bench --memory-tier --memory-mib 256 --peers-python .venv-peers/bin/python
 python benchmarks/memory_tier.py --mib 256 --peers-python .venv-peers/bin/python
 """
@@ -122,13 +125,21 @@ def _restore_job(rank: int, world: int, port: int, a: dict[str, Any], q: Any) ->
     dist.destroy_process_group()
 
 
-def _spawn(world: int, fn: Any, a: dict[str, Any]) -> list[dict[str, Any]]:
+def _spawn(world: int, fn: Any, a: dict[str, Any], pin: bool = False) -> list[dict[str, Any]]:
+    """Run ``fn`` on ``world`` ranks; with ``pin``, rank r's process on CPU ``r`` alone (as
+    if each rank were a host of its own: the process inherits the affinity it starts with)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _port()
     procs = [ctx.Process(target=fn, args=(r, world, port, a, q)) for r in range(world)]
-    for p in procs:
-        p.start()
+    mask = os.sched_getaffinity(0)
+    try:
+        for r, p in enumerate(procs):
+            if pin:
+                os.sched_setaffinity(0, {sorted(mask)[r % len(mask)]})
+            p.start()
+    finally:
+        os.sched_setaffinity(0, mask)
     out = dict(q.get(timeout=600) for _ in range(world))
     for p in procs:
         p.join()
@@ -271,12 +282,16 @@ def _ms(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e3:.1f} ms"
 
 
-def measure(mib: int, saves: int, peers_python: str | None, restores: int = 3) -> dict[str, Any]:
+def measure(
+    mib: int, saves: int, peers_python: str | None, restores: int = 3, pin_nodes: bool = False
+) -> dict[str, Any]:
     """Every row's figures (seconds), DLRover's under ``"dlrover"`` when ``peers_python``;
-    each restore ``restores`` times (from a peer: node b's memory deleted before each)."""
+    each restore ``restores`` times (from a peer: node b's memory deleted before each). With
+    ``pin_nodes``, the two-node rows (replica, link, restore from a peer) run each node's
+    process on a CPU of its own."""
     work = Path(tempfile.mkdtemp(prefix="unickpt-memory-bench-", dir="/dev/shm"))
     try:
-        rows: dict[str, Any] = {"mib_per_rank": mib}
+        rows: dict[str, Any] = {"mib_per_rank": mib, "pin_nodes": pin_nodes}
         one: dict[str, Any] = {"root": str(work / "store1"), "dirs": {0: str(work / "m1")}}
         a = {**one, "mib": mib, "saves": saves}
         local = _spawn(1, _save_job, a)[0]
@@ -290,14 +305,14 @@ def measure(mib: int, saves: int, peers_python: str | None, restores: int = 3) -
         dirs = {0: str(work / "ma"), 1: str(work / "mb")}
         two: dict[str, Any] = {"root": str(work / "store2"), "dirs": dirs}
         b = {**two, "mib": mib, "saves": saves}
-        pair = _spawn(2, _save_job, b)
+        pair = _spawn(2, _save_job, b, pin_nodes)
         rows["unickpt_replicated"] = pair[0]["replicated"] + pair[1]["replicated"]
         rows["link"] = pair[0]["link"]
         rows["link_both_ways"] = pair[0]["both"]
         peer = []
         for _ in range(restores):
             shutil.rmtree(two["dirs"][1], ignore_errors=True)  # node b's memory is lost
-            back = _spawn(2, _restore_job, b)
+            back = _spawn(2, _restore_job, b, pin_nodes)
             assert back[1]["source"] == "peer", back
             peer.append(back[1]["restore"])
         rows["unickpt_restore_peer"] = peer
@@ -330,7 +345,8 @@ def to_markdown(rows: dict[str, Any]) -> str:
         f"{_ms(rows['unickpt_restore_local_unverified'])} | {theirs('restore')} |",
         "| DLRover without an agent: restore in the process that saved | n/a "
         f"| {theirs('restore_in_process')} |",
-        f"| restore from a peer (raw link: {_ms(rows['link'])}) | "
+        f"| restore from a peer (raw link: {_ms(rows['link'])}"
+        f"{'; each node on a CPU of its own' if rows.get('pin_nodes') else ''}) | "
         f"{_ms(rows['unickpt_restore_peer'])} | n/a |",
     ]
     return "\n".join(lines)
@@ -343,8 +359,13 @@ def main() -> None:
     p.add_argument("--restores", type=int, default=3, help="restores from a peer (median)")
     p.add_argument("--peers-python", default=None, help="python of .venv-peers (DLRover)")
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument(
+        "--pin-nodes",
+        action="store_true",
+        help="run each of the two nodes' processes on a CPU of its own (as two hosts)",
+    )
     args = p.parse_args()
-    rows = measure(args.mib, args.saves, args.peers_python, args.restores)
+    rows = measure(args.mib, args.saves, args.peers_python, args.restores, args.pin_nodes)
     print(to_markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

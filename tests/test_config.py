@@ -25,12 +25,16 @@ def test_bad_values_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UNICKPT_VERIFY", "maybe")
     with pytest.raises(
         CheckpointError,
-        match=r"UNICKPT_VERIFY='maybe' is not a valid bool \(expected one of 1, true",
+        match=r"UNICKPT_VERIFY='maybe' is not a valid bool \(one of 1, true, yes, on, 0, false, "
+        r"no, off\); correct it or unset it",
     ):
         get_config()
     monkeypatch.delenv("UNICKPT_VERIFY")
     monkeypatch.setenv("UNICKPT_IO_THREADS", "four")
-    with pytest.raises(CheckpointError, match=r"UNICKPT_IO_THREADS='four' is not a valid int\."):
+    with pytest.raises(
+        CheckpointError,
+        match=r"UNICKPT_IO_THREADS='four' is not a valid int; correct it or unset it",
+    ):
         get_config()
     monkeypatch.setenv("UNICKPT_IO_THREADS", "0")
     with pytest.raises(CheckpointError, match="io_threads is 0; expected at least 1"):
@@ -42,3 +46,9 @@ def test_unknown_fields_are_refused() -> None:
         CheckpointError, match=r"unknown config field\(s\) io_thread; expected some of .*io_threads"
     ):
         get_config(io_thread=2)
+
+
+def test_an_empty_variable_counts_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UNICKPT_VERIFY", "")
+    monkeypatch.setenv("UNICKPT_IO_THREADS", " ")
+    assert get_config() == Config()

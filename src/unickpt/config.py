@@ -47,7 +47,7 @@ class Config:
             raise CheckpointError("collective_timeout_s must be positive.")
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _parse(value: str, kind: type) -> object:
@@ -61,24 +61,21 @@ def _parse(value: str, kind: type) -> object:
 
 def env_overrides(cls: type, prefix: str) -> dict[str, object]:
     """The fields of dataclass ``cls`` set in the environment as ``<prefix><FIELD>``, parsed by
-    the type of the field's default."""
+    the type of the field's default. A variable set empty counts as unset, except for text."""
     env: dict[str, object] = {}
     for f in fields(cls):
         name = f"{prefix}{f.name.upper()}"
         raw = os.environ.get(name)
-        if raw is not None:
-            kind = type(f.default)
-            try:
-                env[f.name] = _parse(raw, kind)
-            except ValueError:
-                raise CheckpointError(
-                    f"{name}={raw!r} is not a valid {kind.__name__}"
-                    + (
-                        f" (expected one of {', '.join(_TRUE + _FALSE[:-1])})."
-                        if kind is bool
-                        else "."
-                    )
-                ) from None
+        kind = type(f.default)
+        if raw is None or (kind is not str and not raw.strip()):
+            continue
+        try:
+            env[f.name] = _parse(raw, kind)
+        except ValueError:
+            words = f" (one of {', '.join(_TRUE + _FALSE)})" if kind is bool else ""
+            raise CheckpointError(
+                f"{name}={raw!r} is not a valid {kind.__name__}{words}; correct it or unset it."
+            ) from None
     return env
 
 

@@ -1,3 +1,7 @@
+"""Engine settings: defaults, then the environment, then arguments; bad values named."""
+
+from __future__ import annotations
+
 import pytest
 
 from unickpt.config import Config, get_config

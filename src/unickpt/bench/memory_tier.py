@@ -133,10 +133,11 @@ def _spawn(world: int, fn: Any, a: dict[str, Any], pin: bool = False) -> list[di
     port = _port()
     procs = [ctx.Process(target=fn, args=(r, world, port, a, q)) for r in range(world)]
     mask = os.sched_getaffinity(0)
+    cpus = sorted(mask)
     try:
         for r, p in enumerate(procs):
             if pin:
-                os.sched_setaffinity(0, {sorted(mask)[r % len(mask)]})
+                os.sched_setaffinity(0, {cpus[r % len(cpus)]})
             p.start()
     finally:
         os.sched_setaffinity(0, mask)

@@ -76,6 +76,18 @@ def test_scalars_empty_noncontiguous_and_big(tmp_path: Path) -> None:
         assert torch.equal(dest[k], v), k
 
 
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (64, 0, 257), (0, 0)])
+def test_empty_tensor_of_more_dims_than_the_rest(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    """An empty tensor has no chunk; the others have fewer dimensions than it (the packed
+    coordinates are as wide as the others need)."""
+    state = {"empty": torch.empty(shape), "v": torch.arange(3.0), "s": torch.tensor(2)}
+    unickpt.save(tmp_path / "c", state)
+    dest = {"empty": torch.empty(shape), "v": torch.zeros(3), "s": torch.tensor(0)}
+    unickpt.load(tmp_path / "c", dest)
+    assert dest["empty"].shape == shape
+    assert torch.equal(dest["v"], state["v"]) and int(dest["s"]) == 2
+
+
 def test_load_into_noncontiguous_destination(tmp_path: Path) -> None:
     t = torch.randn(8, 6)
     unickpt.save(tmp_path / "c", {"t": t})

@@ -81,6 +81,9 @@ def _pattern(shape: tuple[int, ...], rows: np.ndarray) -> Pattern:
     first, inverse, counts = _distinct_rows(rows)
     dims, ndim = rows.shape[1] // 2, len(shape)
     distinct = rows[first]
+    if not len(distinct):  # a tensor with no elements may have no chunk at all
+        distinct = np.zeros((0, 2 * ndim), dtype=np.int64)
+        dims = ndim
     offsets, lengths = distinct[:, :ndim], distinct[:, dims : dims + ndim]
     fault = None
     inside = bool(((offsets >= 0) & (lengths >= 0) & (offsets + lengths <= shape)).all())

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 import unickpt
+from unickpt.errors import CheckpointError
 from unickpt.storage import LocalStorage
 
 
@@ -95,6 +97,36 @@ def test_load_into_noncontiguous_destination(tmp_path: Path) -> None:
     dest = {"t": holder.t()}
     unickpt.load(tmp_path / "c", dest)
     assert torch.equal(holder.t(), t)
+
+
+def test_tensors_that_are_not_plain_memory_are_refused(tmp_path: Path) -> None:
+    """A meta tensor has no values to save nor memory to load into; an expanded view cannot
+    hold different values; sparse, quantized and nested tensors are not plain memory. Each is an
+    error naming the key (a quantized one crashed the process before; a meta one loaded
+    nothing, silently)."""
+    with pytest.raises(CheckpointError, match=r"'w' is on the meta device: it has no values"):
+        unickpt.save(tmp_path / "m", {"w": torch.empty(3, device="meta")})
+    unickpt.save(tmp_path / "c", {"w": torch.arange(4.0), "b": torch.arange(5)})
+    with pytest.raises(CheckpointError, match=r"'w' is on the meta device: it has no memory"):
+        unickpt.load(tmp_path / "c", {"w": torch.empty(4, device="meta")})
+    expanded = {"w": torch.zeros(4), "b": torch.zeros(1, dtype=torch.int64).expand(5)}
+    with pytest.raises(CheckpointError, match=r"'b' has elements that share memory"):
+        unickpt.load(tmp_path / "c", expanded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized and nested tensors are beta or deprecated
+        odd = {
+            "sparse": torch.eye(3).to_sparse(),
+            "quantized": torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8),
+            "nested": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        }
+    for kind, t in odd.items():
+        with pytest.raises(CheckpointError, match=rf"'t' is a {kind} tensor of .*dense tensors"):
+            unickpt.save(tmp_path / kind, {"t": t})
+    row = torch.zeros(5, dtype=torch.int64)
+    dest = {"w": torch.zeros(4), "b": row.as_strided((1, 5), (0, 1))}  # stride 0, size 1
+    unickpt.save(tmp_path / "r", {"w": torch.arange(4.0), "b": torch.arange(5).reshape(1, 5)})
+    unickpt.load(tmp_path / "r", dest)
+    assert torch.equal(row, torch.arange(5))
 
 
 def test_values_and_nested_structure(tmp_path: Path) -> None:

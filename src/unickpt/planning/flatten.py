@@ -121,6 +121,7 @@ class _Walker:
 
     def tensor(self, key: str, value: Any) -> None:
         """A tensor leaf, or an alias of the key where the same tensor was met first."""
+        _check_storable(key, value, self.for_load)
         identity = tensor_identity(value)
         first = self.tensor_keys.get(identity) if identity is not None else None
         if first is not None:
@@ -166,6 +167,57 @@ def tensor_identity(value: Any) -> tuple[Any, ...] | None:
         return None
     layout = (local.data_ptr(), local.dtype, local.device, tuple(local.shape), local.stride())
     return (*how, *layout)
+
+
+def _local(value: Any) -> torch.Tensor:
+    if isinstance(value, (ShardedTensor, FlatShard)):
+        return value.local
+    return local_tensor(value) if is_dtensor(value) else value
+
+
+_KINDS = {
+    "sparse": "save t.to_dense(), or its indices() and values() as tensors of their own",
+    "quantized": "save t.int_repr() with t.q_scale() and t.q_zero_point(), or t.dequantize()",
+    "nested": "save t.unbind() (a list of tensors) instead",
+}
+
+
+def _odd_kind(t: torch.Tensor) -> str | None:
+    if t.is_nested:
+        return "nested"
+    if t.layout != torch.strided:
+        return "sparse"
+    return "quantized" if t.is_quantized else None
+
+
+def _check_storable(key: str, value: Any, for_load: bool) -> None:
+    """Refuse a tensor whose values are not plain strided memory (sparse, quantized, nested),
+    one on the meta device (it has none), and, to load into, one whose elements share memory
+    (an ``expand``-ed view)."""
+    local = _local(value)
+    kind = _odd_kind(local)
+    if kind is not None:
+        raise CheckpointError(
+            f"'{key}' is a {kind} tensor of {local.dtype}; unickpt stores dense tensors only: "
+            f"{_KINDS[kind]}."
+        )
+    if local.device.type == "meta" and local.numel():
+        if for_load:
+            raise CheckpointError(
+                f"'{key}' is on the meta device: it has no memory to load into. Allocate the "
+                "state before loading (for a model built on meta: model.to_empty(device=...)), "
+                "then load."
+            )
+        raise CheckpointError(
+            f"'{key}' is on the meta device: it has no values to save. Materialize it "
+            "(model.to_empty(device=...) and initialize) before saving."
+        )
+    if for_load and any(st == 0 and n > 1 for st, n in zip(local.stride(), local.shape)):
+        raise CheckpointError(
+            f"'{key}' has elements that share memory (shape {tuple(local.shape)}, stride "
+            f"{local.stride()}, as from expand()): a load cannot put different values there. "
+            "Load into a tensor of its own (clone() it) and copy from there."
+        )
 
 
 def _setter(parent: Any, slot: Any) -> Callable[[Any], None] | None:

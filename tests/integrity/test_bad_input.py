@@ -179,6 +179,22 @@ def test_newer_format_version(saved: Path, where: str) -> None:
     assert "Upgrade unickpt" in message
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("version", 0, "the format version 0 is not one unickpt writes (1 to 2)"),
+        ("save_id", "0123456789ab", "names save '0123456789ab' but metadata file 'metadata-"),
+    ],
+)
+def test_commit_fields_that_no_save_writes(saved: Path, field: str, value: Any, says: str) -> None:
+    """A marker whose version or save id changed (one flipped bit) is damage, not a checkpoint
+    that loads: the save id names the data files a memory tier copies."""
+    repin(saved, {field: value})
+    with pytest.raises(unickpt.CheckpointCorruptError) as info:
+        unickpt.load(saved, _blank())
+    assert says in str(info.value) and "COMMIT" in str(info.value)
+
+
 def test_save_onto_a_committed_checkpoint(saved: Path) -> None:
     before = {p.name: p.read_bytes() for p in saved.iterdir()}
     with pytest.raises(unickpt.CheckpointExistsError) as info:

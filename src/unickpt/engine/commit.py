@@ -50,7 +50,16 @@ def read_commit(storage: Storage) -> CommitRecord | None:
     raw = storage.read_bytes(COMMIT_FILE)
     if raw is None:
         return None
-    return decode_commit(raw, f"{storage.location}/{COMMIT_FILE}")
+    where = f"{storage.location}/{COMMIT_FILE}"
+    record = decode_commit(raw, where)
+    check_name(record.metadata_file)  # a name that leaves the folder says so first
+    if record.metadata_file != metadata_name(record.save_id):
+        raise CheckpointCorruptError(
+            f"{where} names save {record.save_id!r} but metadata file {record.metadata_file!r} "
+            f"(a save's metadata is {metadata_name(record.save_id)!r}); the commit marker is "
+            "damaged. Load an earlier checkpoint."
+        )
+    return record
 
 
 def read_checkpoint(storage: Storage) -> tuple[CommitRecord, Metadata]:

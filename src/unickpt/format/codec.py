@@ -424,8 +424,11 @@ def check_header(doc: dict[str, Any], source: str, name: str) -> None:
             "a unickpt file or it is damaged."
         )
     version = doc.get("version")
-    if not isinstance(version, int):
-        raise CheckpointCorruptError(f"{source}: the format version {version!r} is not a number.")
+    if not isinstance(version, int) or version < 1:
+        raise CheckpointCorruptError(
+            f"{source}: the format version {version!r} is not one unickpt writes (1 to "
+            f"{FORMAT_VERSION}); the file is damaged."
+        )
     if version > FORMAT_VERSION:
         raise CheckpointVersionError(
             f"{source}: written in format version {version}, this unickpt reads versions up to "

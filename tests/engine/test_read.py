@@ -1,14 +1,20 @@
-"""The read path: pieces cut on the checksum segments of the checkpoint being read."""
+"""The read path: pieces cut on the checksum segments of the checkpoint being read; small
+chunks read together."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import unickpt
 from unickpt.config import MiB, get_config
-from unickpt.engine.read import aligned_piece_bytes
+from unickpt.engine.commit import read_checkpoint
+from unickpt.engine.loader import reads_needed
+from unickpt.engine.read import SMALL_CHUNK_BYTES, aligned_piece_bytes
+from unickpt.errors import CheckpointCorruptError
+from unickpt.storage import LocalStorage
 
 
 def test_pieces_are_whole_segments_of_the_checkpoint() -> None:
@@ -32,3 +38,44 @@ def test_a_checkpoint_with_other_segments_loads_with_the_default_config(tmp_path
     part = unickpt.ShardedTensor(torch.zeros(n, dtype=torch.int32), big.shape, (start,))
     unickpt.load(tmp_path / "c", {"big": part})
     assert torch.equal(part.local, big[start : start + n])
+
+
+class _CountingReads(LocalStorage):
+    """A checkpoint folder on disk that counts the reads of data files made through it."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.reads: list[tuple[str, int, int]] = []
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        if name.startswith("data-"):
+            self.reads.append((name, offset, len(out)))
+        super().read_into(name, offset, out)
+
+
+def test_small_neighbouring_chunks_are_read_together(tmp_path: Path) -> None:
+    """300 small tensors (norms, biases, steps) and a large one: the small ones come in a few
+    reads of their spans, each checked and copied into place; damage to one of them names it."""
+    g = torch.Generator().manual_seed(0)
+    state = {f"n{i}": torch.randn(1 + i % 97, generator=g) for i in range(300)}
+    state["mid"] = torch.randn(SMALL_CHUNK_BYTES // 4 + 1, generator=g)  # above the batch bound
+    state["big"] = torch.randn(3 * MiB, generator=g)
+    unickpt.save(tmp_path / "c", state)  # 1 MiB checksum segments: big is read in 12
+    storage = _CountingReads(tmp_path / "c")
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    report = unickpt.load(storage, dest, config=get_config(read_piece_bytes=1 * MiB))
+    assert all(torch.equal(dest[k], v) for k, v in state.items())
+    small = sum(v.numel() * 4 for k, v in state.items() if k.startswith("n"))
+    assert len(storage.reads) <= 2 + 1 + 12  # the small ones in one or two, mid, big
+    assert report.bytes_wanted <= report.bytes_read <= report.bytes_wanted + 64 * 300
+    assert small < report.bytes_read - (len(state["big"]) + len(state["mid"])) * 4 + 1
+
+    _, meta = read_checkpoint(LocalStorage(tmp_path / "c"))
+    hit = next(r for r in reads_needed(meta, dest) if r.key == "n150")
+    with open(tmp_path / "c" / hit.file, "r+b") as f:  # one byte of n150, mid-batch
+        f.seek(hit.chunk.byte_offset + 5)
+        byte = f.read(1)
+        f.seek(hit.chunk.byte_offset + 5)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(CheckpointCorruptError, match="holding tensor 'n150'"):
+        unickpt.load(tmp_path / "c", {k: torch.zeros_like(v) for k, v in state.items()})

@@ -40,6 +40,9 @@ def test_received_bytes_land_in_their_tensors_and_serve_reads() -> None:
     targets.serve(path, 9, memoryview(out)[:3])  # elsewhere: copied
     assert bytes(out[:3]) == bytes(file[9:12].tolist())
     targets.serve(path, 30, memoryview(big.numpy())[:20])  # where it landed: nothing to do
+    both = bytearray(b"\xff" * 10)  # small1 and small2 read together, 3 bytes apart
+    targets.serve(path, 2, memoryview(both))
+    assert both == bytes(file[2:5].tolist()) + b"\xff" * 3 + bytes(file[8:12].tolist())
     with pytest.raises(RuntimeError) as e:
         targets.serve(path, 12, memoryview(out)[:2])
     assert str(e.value) == (

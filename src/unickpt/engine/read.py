@@ -4,16 +4,20 @@ A read item whose region is a whole chunk and whose destination is contiguous CP
 read directly into the destination. Otherwise only the byte runs of the region are read (with
 verification on: the checksum segments that hold them) into a small buffer and copied into
 place. Large regions are cut into pieces of about ``read_piece_bytes`` (whole checksum segments
-of the checkpoint) so memory stays bounded.
+of the checkpoint) so memory stays bounded. Small whole chunks that lie next to each other in
+a file (the tensors of norms, biases, optimizer steps) are read together, in one read of their
+span, each verified and copied into place: one read per tensor costs far more than the bytes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
+import numpy as np
 import torch
 
 from ..config import Config
@@ -25,9 +29,12 @@ from ..planning.exchange_plan import flat_span
 from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
 from .checksum import digest
+from .scratch import Scratch
 
 _SMALL_RUN_BYTES = 64 * 1024
 _MANY_RUNS = 16
+SMALL_CHUNK_BYTES = 64 * 1024  # whole chunks below this are read together with their neighbours
+BATCH_GAP_BYTES = 64  # the padding between chunks in a file (save_plan.CHUNK_ALIGN)
 
 
 @dataclass(frozen=True)
@@ -50,13 +57,13 @@ def execute_reads(
     piece_bytes = aligned_piece_bytes(config.read_piece_bytes, segment_bytes)
     pieces = [p for item in items for p in _split(item, piece_bytes)]
     pieces.sort(key=lambda it: (it.file, it.chunk.byte_offset))
-    tasks = [t for p in pieces for t in _tasks(p, piece_bytes)]
     reader = _Reader(storage, segment_bytes, verify)
+    tasks = _batched(reader, [t for p in pieces for t in _tasks(p, piece_bytes)], piece_bytes)
     if len(tasks) <= 1 or config.io_threads == 1:
-        read = sum(reader.run(*t) for t in tasks)
+        read = sum(task() for task in tasks)
     else:
         with ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-read") as pool:
-            read = sum(pool.map(lambda t: reader.run(*t), tasks))
+            read = sum(pool.map(lambda task: task(), tasks))
     wanted = sum(p.region.numel * p.dest.element_size() for p in pieces)
     return ReadStats(read, wanted)
 
@@ -73,6 +80,39 @@ def _tasks(item: ReadItem, piece_bytes: int) -> list[tuple[ReadItem, int, int]]:
         return [(item, -1, -1)]
     n = item.chunk.nbytes
     return [(item, a, min(a + piece_bytes, n)) for a in range(0, n, piece_bytes)]
+
+
+def _batched(
+    reader: _Reader, tasks: list[tuple[ReadItem, int, int]], span_bytes: int
+) -> list[Callable[[], int]]:
+    """The tasks (sorted by file and offset) as calls of ``reader``: runs of small whole chunks
+    next to each other in one file (at most ``BATCH_GAP_BYTES`` apart, spanning at most
+    ``span_bytes``) as one batch each, every other task alone."""
+    out: list[Callable[[], int]] = []
+    batch: list[ReadItem] = []
+
+    def flush() -> None:
+        if len(batch) == 1:
+            out.append(partial(reader.run, batch[0], 0, batch[0].chunk.nbytes))
+        elif batch:
+            out.append(partial(reader.run_batch, tuple(batch)))
+        batch.clear()
+
+    for item, start, stop in tasks:
+        n = item.chunk.nbytes
+        if start < 0 or n > SMALL_CHUNK_BYTES or (start, stop) != (0, n):
+            flush()
+            out.append(partial(reader.run, item, start, stop))
+            continue
+        if batch:
+            first, last = batch[0].chunk, batch[-1].chunk
+            gap = item.chunk.byte_offset - (last.byte_offset + last.nbytes)
+            span = item.chunk.byte_offset + n - first.byte_offset
+            if item.file != batch[0].file or not 0 <= gap <= BATCH_GAP_BYTES or span > span_bytes:
+                flush()
+        batch.append(item)
+    flush()
+    return out
 
 
 def _split(item: ReadItem, max_bytes: int) -> list[ReadItem]:
@@ -194,12 +234,29 @@ class _Reader:
         self.storage = storage
         self.segment = segment
         self.verify = verify
+        self.scratch = Scratch()
 
     def run(self, item: ReadItem, start: int, stop: int) -> int:
         if start < 0:
             return self._read_region(item)
         self._read_verified(item, start, byte_view(item.dest)[start:stop])
         return stop - start
+
+    def run_batch(self, items: Sequence[ReadItem]) -> int:
+        """Read whole small chunks of one file, in file order, with one read of their span;
+        verify each and copy it into its destination."""
+        lo = items[0].chunk.byte_offset
+        hi = items[-1].chunk.byte_offset + items[-1].chunk.nbytes
+        span = self.scratch.take(hi - lo)
+        self.storage.read_into(items[0].file, lo, buffer_of(span))
+        for item in items:
+            a = item.chunk.byte_offset - lo
+            data = span[a : a + item.chunk.nbytes]
+            if self.verify and item.chunk.checksums:
+                ref = ChunkRef(item.key, item.file, item.chunk)
+                check_segments(ref, 0, data, self.segment)
+            np.copyto(byte_view(item.dest).numpy(), data.numpy())
+        return hi - lo
 
     def _read_verified(self, item: ReadItem, start: int, out: torch.Tensor) -> None:
         """Read chunk bytes ``[start, start + len(out))`` (segment-aligned when verifying)."""

@@ -99,20 +99,30 @@ class Targets:
             np.copyto(dest.numpy(), buf[a : a + dest.numel()].numpy())
 
     def serve(self, path: Path, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with file bytes from ``offset`` (received already): nothing to do when
-        ``out`` is where they were received, as for the load's own reads."""
+        """Fill ``out`` with file bytes from ``offset`` (received already): nothing to do where
+        ``out`` is where they were received, as for the load's own reads. A read may span
+        several chunks (the loader reads small neighbours together): the padding between
+        them, never received, is left as it is; a read that starts or ends outside the chunks
+        received is a bug."""
         n = len(out)
         if not n:
             return
-        where = self._files[path]
-        i = bisect.bisect_right(self._starts[path], offset) - 1
-        start, dest = where[i] if i >= 0 else (0, torch.empty(0, dtype=torch.uint8))
-        if i < 0 or offset + n > start + dest.numel():
+        where, end = self._files[path], offset + n
+        i = max(0, bisect.bisect_right(self._starts[path], offset) - 1)
+        into = np.frombuffer(out, dtype=np.uint8)
+        covered = []
+        for start, dest in where[i:]:
+            if start >= end:
+                break
+            lo, hi = max(offset, start), min(end, start + dest.numel())
+            if lo >= hi:
+                continue
+            covered.append((lo, hi))
+            src, dst = dest[lo - start : hi - start].numpy(), into[lo - offset : hi - offset]
+            if dst.ctypes.data != src.ctypes.data:
+                np.copyto(dst, src)
+        if not covered or covered[0][0] != offset or covered[-1][1] != end:
             raise RuntimeError(
-                f"a load read bytes [{offset}, {offset + n}) of {path}, which was fetched "
+                f"a load read bytes [{offset}, {end}) of {path}, which was fetched "
                 "for the chunks it was planned to read only; this is a bug in unickpt."
             )
-        src = dest[offset - start : offset - start + n].numpy()
-        into = np.frombuffer(out, dtype=np.uint8)
-        if into.ctypes.data != src.ctypes.data:
-            np.copyto(into, src)

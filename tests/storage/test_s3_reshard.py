@@ -41,5 +41,7 @@ def test_reshard_through_s3(s3_bucket: str) -> None:
     assert [w for wrong, _, _ in results for w in wrong] == []
     read, wanted = sum(r for _, r, _ in results), sum(w for _, _, w in results)
     print(f"\nresharded loads read {read} bytes for {wanted} needed ({read / wanted:.3f}x)")
-    assert read == wanted, "the ranks of one host read every byte they need once, no more"
+    # Every needed byte once; beyond them only the alignment padding (at most BATCH_GAP_BYTES)
+    # between small chunks read together in one request.
+    assert wanted <= read <= wanted * 1.0001, "the ranks of one host read each byte once"
     assert verify_checkpoint(f"{root}/layouts").ok

@@ -4,20 +4,25 @@ Saves ``--tensors`` small float32 tensors (a few KiB each: the bytes take a few 
 so the load's time is its planning and bookkeeping per tensor) with unickpt, DCP
 (``torch.distributed.checkpoint``, no process group) and ``torch.save``, then loads each into
 existing tensors ``--runs`` times, alternating; medians (min-max) in milliseconds. unickpt
-verifies checksums (its default); torch.load copies into the existing tensors afterwards.
+verifies checksums (its default); torch.load copies into the existing tensors afterwards. With
+``--s3``, a further row loads unickpt's copy from an S3 endpoint (``AWS_ENDPOINT_URL``, else a
+moto server started on loopback), where each read is a request.
 
-python benchmarks/load_planning.py --tensors 600 --runs 7
+python benchmarks/load_planning.py --tensors 600 --runs 7 [--s3]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import tempfile
 import time
+import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -37,10 +42,27 @@ def _state(tensors: int, fill: bool) -> dict[str, torch.Tensor]:
     }
 
 
-def measure(tensors: int, runs: int) -> dict[str, dict[str, float]]:
+@contextlib.contextmanager
+def _bucket() -> Iterator[str]:
+    """``s3://<new bucket>`` at the environment's endpoint, else at a moto server on loopback."""
+    import boto3
+
+    from unickpt.bench.s3 import moto_endpoint
+
+    with contextlib.ExitStack() as stack:
+        url = os.environ.get("AWS_ENDPOINT_URL") or stack.enter_context(moto_endpoint())
+        os.environ["AWS_ENDPOINT_URL"] = url  # unickpt's S3 client reads it there
+        name = f"unickpt-small-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3", endpoint_url=url).create_bucket(Bucket=name)
+        yield f"s3://{name}"
+
+
+def measure(tensors: int, runs: int, s3: bool = False) -> dict[str, dict[str, float]]:
     src = _state(tensors, True)
     dst = _state(tensors, False)
-    with tempfile.TemporaryDirectory(prefix="unickpt-load-planning-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="unickpt-load-planning-"))
+        bucket = stack.enter_context(_bucket()) if s3 else None
         work = Path(tmp)
         unickpt.save(str(work / "unickpt"), src)
         with warnings.catch_warnings():
@@ -63,6 +85,9 @@ def measure(tensors: int, runs: int) -> dict[str, dict[str, float]]:
             "dcp": dcp_load,
             "torch.load": torch_load,
         }
+        if bucket is not None:
+            unickpt.save(f"{bucket}/unickpt", src)
+            systems["unickpt (S3)"] = lambda: unickpt.load(f"{bucket}/unickpt", dst)
         times: dict[str, list[float]] = {k: [] for k in systems}
         for run in range(runs + 1):  # a first, untimed round: imports and first calls
             for name, load in systems.items():
@@ -88,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--tensors", type=int, default=600)
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--s3", action="store_true", help="also load unickpt's copy from S3")
     args = parser.parse_args(argv)
-    result = measure(args.tensors, args.runs)
+    result = measure(args.tensors, args.runs, args.s3)
     print(json.dumps({"tensors": args.tensors, "runs": args.runs, "load": result}, indent=2))
     print(f"| load of {args.tensors} small tensors | median (min-max) |")
     print("| --- | --- |")

@@ -18,9 +18,12 @@ def test_every_unickpt_row_is_measured_and_restores_the_saved_values() -> None:
     assert len(rows["unickpt_restore_peer"]) == 1
     assert len(rows["link"]) == 3 and len(rows["link_both_ways"]) == 3
     assert "dlrover" not in rows
+    assert sorted(rows["floor_local"]) == ["mapped_copy", "read", "read_hashed"]
+    assert all(v > 0 for v in rows["floor_local"].values())
     table = memory_tier.to_markdown(rows).splitlines()
     assert table[0] == "| memory tier (16 MiB per rank) | unickpt | DLRover flash checkpoint |"
-    assert len(table) == 8
+    assert len(table) == 9
+    assert table[7].startswith("| floor of a local restore") and "n/a" not in table[7]
     assert table[4].startswith("| restore from local memory in a new process")
     assert table[4].endswith("| n/a |")
     assert "without: n/a" in table[2]

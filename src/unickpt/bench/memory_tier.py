@@ -18,6 +18,11 @@ Each rank holds ``--mib`` MiB of float32 tensors (16 MiB each). Rows, medians ov
   processes set ``ROLE_NAME=dlrover-trainer``), which is the restart a memory tier is for; and
   in the process that saved, without an agent (its saver then lives in the training process
   and ends with it: a new process finds no memory checkpoint);
+- the floor of a local restore on this host, in a new process, best of 3: the bytes of the
+  newest step's data file read into tensors like the state's by the engine's threads (pread,
+  ``io_threads``), the same with every checksum segment hashed as it lands (the least a
+  verified restore does), and DLRover's way (a fresh memory map of the file copied into them
+  by ``Tensor.copy_``);
 - restore from a peer (median of ``--restores``): node b's memory folder deleted, both ranks
   restart; node b's rank fetches its files from node a and loads; timed from the call of
   ``load_latest`` (both processes started and past a barrier, so neither counts the other's
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import socket
@@ -42,15 +48,19 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import xxhash
 
 import unickpt
 from unickpt.config import get_config
+from unickpt.format.dtypes import buffer_of
 
 PIECE_MIB = 16
 
@@ -123,6 +133,60 @@ def _restore_job(rank: int, world: int, port: int, a: dict[str, Any], q: Any) ->
     assert float(state["t0"].local[0, 0]) == rank + step + 1, "restored values differ"
     q.put((rank, {"restore": seconds, "source": info.source}))
     dist.destroy_process_group()
+
+
+def _floor_job(rank: int, world: int, port: int, a: dict[str, Any], q: Any) -> None:
+    """The floor of a local restore: the newest data file of node folder ``a["dirs"][0]`` into
+    tensors like the state's, read (whole, and segment by segment with each hashed) by
+    ``io_threads`` threads, and copied out of a fresh memory map; best of 3, seconds."""
+    data = max(Path(a["dirs"][0]).glob("*/step-*/data-*.bin"), key=lambda p: p.parent.name)
+    config = get_config()
+    seg = config.segment_bytes
+    dests = [t.local.reshape(-1).view(torch.uint8) for t in _state(a["mib"], 0.0, 0, 1).values()]
+    size = min(data.stat().st_size, sum(d.numel() for d in dests))
+    spans = [(i * dests[0].numel(), d) for i, d in enumerate(dests)]
+    spans = [(at, d[: max(0, min(d.numel(), size - at))]) for at, d in spans]
+    fd = os.open(data, os.O_RDONLY)
+
+    def read(hashed: bool) -> None:
+        def one(span: tuple[int, torch.Tensor]) -> None:
+            at, dest = span
+            out = buffer_of(dest)
+            step = seg if hashed else max(1, len(out))
+            for pos in range(0, len(out), step):
+                piece = out[pos : pos + step]
+                os.preadv(fd, [piece], at + pos)
+                if hashed:
+                    xxhash.xxh3_64_intdigest(piece)
+
+        with ThreadPoolExecutor(config.io_threads) as pool:
+            list(pool.map(one, spans))
+
+    def mapped() -> None:
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only: only copied from
+            src = torch.frombuffer(mm, dtype=torch.uint8)
+        for at, dest in spans:
+            dest.copy_(src[at : at + dest.numel()])
+        del src
+        mm.close()
+
+    best = {}
+    for name, run in (("read", lambda: read(False)), ("read_hashed", lambda: read(True))):
+        best[name] = _best(run)
+    best["mapped_copy"] = _best(mapped)
+    os.close(fd)
+    q.put((rank, best))
+
+
+def _best(run: Any, rounds: int = 3) -> float:
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def _spawn(world: int, fn: Any, a: dict[str, Any], pin: bool = False) -> list[dict[str, Any]]:
@@ -303,6 +367,7 @@ def measure(
         rows["unickpt_restore_local_unverified"] = [
             _spawn(1, _restore_job, {**a, "verify": False})[0]["restore"] for _ in range(restores)
         ]
+        rows["floor_local"] = _spawn(1, _floor_job, a)[0]
         dirs = {0: str(work / "ma"), 1: str(work / "mb")}
         two: dict[str, Any] = {"root": str(work / "store2"), "dirs": dirs}
         b = {**two, "mib": mib, "saves": saves}
@@ -346,11 +411,23 @@ def to_markdown(rows: dict[str, Any]) -> str:
         f"{_ms(rows['unickpt_restore_local_unverified'])} | {theirs('restore')} |",
         "| DLRover without an agent: restore in the process that saved | n/a "
         f"| {theirs('restore_in_process')} |",
+        _floor_row(rows.get("floor_local")),
         f"| restore from a peer (raw link: {_ms(rows['link'])}"
         f"{'; each node on a CPU of its own' if rows.get('pin_nodes') else ''}) | "
         f"{_ms(rows['unickpt_restore_peer'])} | n/a |",
     ]
     return "\n".join(lines)
+
+
+def _floor_row(floor: dict[str, float] | None) -> str:
+    label = (
+        "floor of a local restore: the step's data file into the tensors, best of 3 (unickpt "
+        "column: read, and read with every segment hashed; DLRover column: a fresh map copied)"
+    )
+    if not floor:
+        return f"| {label} | n/a | n/a |"
+    ours = f"{floor['read'] * 1e3:.1f} / {floor['read_hashed'] * 1e3:.1f} ms"
+    return f"| {label} | {ours} | {floor['mapped_copy'] * 1e3:.1f} ms |"
 
 
 def main() -> None:

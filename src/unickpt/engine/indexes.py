@@ -118,9 +118,12 @@ class SavedChunks:
             where = f"{self.storage.location}/{refs[i].index}"
             return decode_index_arrays(raw, where, i, self.table)
 
-        threads = min(_READERS, len(files))
-        with ThreadPoolExecutor(threads, thread_name_prefix="unickpt-index") as pool:
-            decoded = list(pool.map(one, files))
+        if len(files) == 1:  # a thread would cost more than it saves
+            decoded = [one(files[0])]
+        else:
+            threads = min(_READERS, len(files))
+            with ThreadPoolExecutor(threads, thread_name_prefix="unickpt-index") as pool:
+                decoded = list(pool.map(one, files))
         listed: set[str] = set()
         for i, found in zip(files, decoded):
             for key in found.keys:

@@ -12,7 +12,7 @@ import unickpt
 from unickpt.config import MiB, get_config
 from unickpt.engine.commit import read_checkpoint
 from unickpt.engine.loader import reads_needed
-from unickpt.engine.read import SMALL_CHUNK_BYTES, aligned_piece_bytes
+from unickpt.engine.read import BATCH_SPAN_BYTES, SMALL_CHUNK_BYTES, aligned_piece_bytes
 from unickpt.errors import CheckpointCorruptError
 from unickpt.storage import LocalStorage
 
@@ -79,3 +79,19 @@ def test_small_neighbouring_chunks_are_read_together(tmp_path: Path) -> None:
         f.write(bytes([byte[0] ^ 0x10]))
     with pytest.raises(CheckpointCorruptError, match="holding tensor 'n150'"):
         unickpt.load(tmp_path / "c", {k: torch.zeros_like(v) for k, v in state.items()})
+
+
+def test_a_read_of_small_chunks_together_spans_at_most_the_batch_bound(tmp_path: Path) -> None:
+    """240 tensors just under the small-chunk bound (15 MB): read in a few reads, each no longer
+    than BATCH_SPAN_BYTES (its buffer is kept per thread for the load), all values exact."""
+    g = torch.Generator().manual_seed(1)
+    n = SMALL_CHUNK_BYTES // 4 - 16
+    state = {f"t{i}": torch.randn(n, generator=g) for i in range(240)}
+    unickpt.save(tmp_path / "c", state)
+    storage = _CountingReads(tmp_path / "c")
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    unickpt.load(storage, dest)
+    assert all(torch.equal(dest[k], v) for k, v in state.items())
+    sizes = [size for _, _, size in storage.reads]
+    assert max(sizes) <= BATCH_SPAN_BYTES
+    assert len(sizes) <= 2 * (240 * n * 4) // BATCH_SPAN_BYTES + 2  # batched, not one per tensor

@@ -6,7 +6,10 @@ verification on: the checksum segments that hold them) into a small buffer and c
 place. Large regions are cut into pieces of about ``read_piece_bytes`` (whole checksum segments
 of the checkpoint) so memory stays bounded. Small whole chunks that lie next to each other in
 a file (the tensors of norms, biases, optimizer steps) are read together, in one read of their
-span, each verified and copied into place: one read per tensor costs far more than the bytes.
+span (at most ``BATCH_SPAN_BYTES``), each verified and copied into place: one read per tensor
+costs far more than the bytes. Peak extra memory per thread: a batch's span (a buffer kept for
+the load, at most ``BATCH_SPAN_BYTES``) and the span of a region that is not a whole chunk (at
+most a piece).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ _SMALL_RUN_BYTES = 64 * 1024
 _MANY_RUNS = 16
 SMALL_CHUNK_BYTES = 64 * 1024  # whole chunks below this are read together with their neighbours
 BATCH_GAP_BYTES = 64  # the padding between chunks in a file (save_plan.CHUNK_ALIGN)
+BATCH_SPAN_BYTES = 4 << 20  # one read of small chunks spans at most this (a buffer per thread)
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,8 @@ def execute_reads(
     pieces = [p for item in items for p in _split(item, piece_bytes)]
     pieces.sort(key=lambda it: (it.file, it.chunk.byte_offset))
     reader = _Reader(storage, segment_bytes, verify)
-    tasks = _batched(reader, [t for p in pieces for t in _tasks(p, piece_bytes)], piece_bytes)
+    span = min(piece_bytes, BATCH_SPAN_BYTES)
+    tasks = _batched(reader, [t for p in pieces for t in _tasks(p, piece_bytes)], span)
     if len(tasks) <= 1 or config.io_threads == 1:
         read = sum(task() for task in tasks)
     else:

@@ -143,9 +143,9 @@ def _floor_job(rank: int, world: int, port: int, a: dict[str, Any], q: Any) -> N
     config = get_config()
     seg = config.segment_bytes
     dests = [t.local.reshape(-1).view(torch.uint8) for t in _state(a["mib"], 0.0, 0, 1).values()]
-    size = min(data.stat().st_size, sum(d.numel() for d in dests))
-    spans = [(i * dests[0].numel(), d) for i, d in enumerate(dests)]
-    spans = [(at, d[: max(0, min(d.numel(), size - at))]) for at, d in spans]
+    n = dests[0].numel()  # the state's tensors are all one size
+    size = min(data.stat().st_size, n * len(dests))
+    spans = [(i * n, d[: max(0, min(n, size - i * n))]) for i, d in enumerate(dests)]
     fd = os.open(data, os.O_RDONLY)
 
     def read(hashed: bool) -> None:

@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
-import numpy as np
 import torch
 
 from ..config import Config
@@ -32,6 +31,7 @@ from ..planning.exchange_plan import flat_span
 from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
 from .checksum import digest
+from .memcpy import copy_tensor
 from .scratch import Scratch
 
 _SMALL_RUN_BYTES = 64 * 1024
@@ -260,7 +260,7 @@ class _Reader:
             if self.verify and item.chunk.checksums:
                 ref = ChunkRef(item.key, item.file, item.chunk)
                 check_segments(ref, 0, data, self.segment)
-            np.copyto(byte_view(item.dest).numpy(), data.numpy())
+            copy_tensor(byte_view(item.dest), data)
         return hi - lo
 
     def _read_verified(self, item: ReadItem, start: int, out: torch.Tensor) -> None:

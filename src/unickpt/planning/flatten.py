@@ -155,14 +155,14 @@ def tensor_identity(value: Any) -> tuple[Any, ...] | None:
     """
     how: tuple[Any, ...]
     if isinstance(value, ShardedTensor):
-        local, how = value.local, ("sharded", value.global_shape, value.offsets)
+        how = ("sharded", value.global_shape, value.offsets)
     elif isinstance(value, FlatShard):
-        local, how = value.local, ("flat", value.global_shape, value.flat_offset)
+        how = ("flat", value.global_shape, value.flat_offset)
     elif is_dtensor(value):
-        local = local_tensor(value)
         how = ("dtensor", tuple(value.shape), id(value.device_mesh), tuple(value.placements))
     else:
-        local, how = value, ("plain",)
+        how = ("plain",)
+    local = _local(value)
     if local.device.type == "meta" or local.numel() == 0:
         return None
     layout = (local.data_ptr(), local.dtype, local.device, tuple(local.shape), local.stride())
@@ -170,6 +170,7 @@ def tensor_identity(value: Any) -> tuple[Any, ...] | None:
 
 
 def _local(value: Any) -> torch.Tensor:
+    """The tensor this rank holds of a tensor-like leaf."""
     if isinstance(value, (ShardedTensor, FlatShard)):
         return value.local
     return local_tensor(value) if is_dtensor(value) else value

@@ -238,7 +238,7 @@ class TierPolicy:
                     )
                 finally:
                     fetching.finish()  # the transfers' failure first, else the load's
-                self.newest = _committed_of(self.store, choice.step)
+                self.newest = fetching.committed
                 source = "peer" if fetching.fetched else "memory"
                 return choice.step, RestoreInfo(choice.step, source, time.perf_counter() - t0)
             except (CheckpointCorruptError, CheckpointNotFoundError) as e:
@@ -338,11 +338,3 @@ def _is_persisted(root: Storage, committed: Committed) -> bool:
 
     return persisted(root, committed)
 
-
-def _committed_of(store: MemoryStore, step: int) -> Committed | None:
-    from .replicate import read_committed
-
-    try:
-        return read_committed(store, step)
-    except CheckpointError:
-        return None

@@ -97,8 +97,8 @@ def survey(
 
 
 class Fetch:
-    """The files one restore brings from peers: the storage to load from (:attr:`view`), and
-    :meth:`finish` after the load.
+    """The files one restore brings from peers: the storage to load from (:attr:`view`), the
+    step's commit (:attr:`committed`), and :meth:`finish` after the load.
 
     When every fetched file is read by the rank that receives it only (``alongside``), the
     transfers run in a thread of their own while the load reads: each read waits for its bytes
@@ -112,12 +112,14 @@ class Fetch:
         group: TierGroup,
         folder: Storage,
         path: Path,
+        committed: Committed,
         indexes: dict[str, bytes],
         transfers: list[Transfer],
         alongside: bool,
         fetched: bool,
         targets: Targets | None = None,
     ) -> None:
+        self.committed = committed
         self.fetched = fetched
         self._group = group
         self._folder = folder
@@ -192,7 +194,8 @@ def fetch(
     if alongside:
         ranged = {t.path.name for t in transfers if t.ranges and not t.send}
         targets = Targets({path / f: _destinations(missing[f]) for f in ranged})
-    return Fetch(group, folder, path, indexes, transfers, alongside, bool(missing), targets)
+    fetched = bool(missing)
+    return Fetch(group, folder, path, committed, indexes, transfers, alongside, fetched, targets)
 
 
 def _ranges(reads: list[ReadItem]) -> tuple[tuple[int, int], ...]:

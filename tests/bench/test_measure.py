@@ -3,14 +3,23 @@ it, and peak memory split into intervals without stopping the sampler."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import time
+import weakref
 
 import torch
 
-from unickpt.bench.measure import PeakMemory, _scan_children, descendants, tree_rss_bytes, trim_heap
+from unickpt.bench.measure import (
+    PeakMemory,
+    _scan_children,
+    descendants,
+    settle,
+    tree_rss_bytes,
+    trim_heap,
+)
 
 _MiB = 1 << 20
 
@@ -73,3 +82,21 @@ def test_trim_heap_returns_freed_pages() -> None:
     assert trim_heap()
     assert before - tree_rss_bytes() >= 96 * _MiB  # of the 128 MiB freed
     del pieces
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_settle_collects_garbage_cycles_before_a_timed_step() -> None:
+    gc.disable()  # no collection may run on its own between the cycle's making and settle
+    try:
+        cycle = _Node()
+        gone = weakref.ref(cycle)
+        del cycle
+        assert gone() is not None  # unreachable, but only the cycle collector frees it
+        settle()
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import os
 import threading
 import time
@@ -282,6 +283,20 @@ def trim_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def settle() -> None:
+    """Before a timed step: collect the interpreter's garbage cycles, then trim the heap.
+
+    A full collection comes due from the allocations of everything before it and runs, holding
+    the interpreter lock, in whichever step allocates next: in a 100M-parameter FSDP2 job (about
+    325,000 objects) it takes about 0.2 s and landed in the middle of rank 0's resharded load in
+    about half the runs, stalling every thread of the load. Collected before each timed step,
+    every system pays for the collections its own allocations cause and for none due from
+    earlier steps.
+    """
+    gc.collect()
+    trim_heap()
 
 
 def now() -> float:

@@ -31,9 +31,9 @@ from unickpt.bench.measure import (
     PeakMemory,
     io_delta,
     now,
+    settle,
     tree_io,
     tree_rss_bytes,
-    trim_heap,
 )
 from unickpt.bench.model import TrainState
 from unickpt.bench.results import RankMeasurement
@@ -59,7 +59,7 @@ def measure_baseline(state: TrainState, repeats: int = 3) -> IterationBaseline:
     step: list[float] = []
     extra: list[int] = []
     for _ in range(repeats):
-        trim_heap()
+        settle()
         dist.barrier()
         with PeakMemory() as memory:
             t0 = now()
@@ -128,7 +128,7 @@ def _save(
     the iteration overlaps it. ``plain_s``: an iteration without a save, just before."""
     gpu = state.device != "cpu"
     gpu_before = _gpu_reset() if gpu else 0
-    trim_heap()  # the save's allocations cannot hide in pages freed earlier
+    settle()  # no collection due from earlier; the save's allocations cannot hide in freed pages
     before = tree_io()
     # One sampler for the whole iteration (as for the plain iterations), split between the
     # call and the overlap: nothing of the benchmark's own starts or stops inside the timing.
@@ -186,7 +186,7 @@ def _load(
     (collective) check, so the ranks stay in step and the next phase can still run."""
     reshard = phase != "load"
     perturb(state)
-    trim_heap()
+    settle()
     dist.barrier()
     before = tree_io()
     error = ""
@@ -284,7 +284,7 @@ def measure_system(
 ) -> RankMeasurement:
     """Run every phase for ``system``; phases the system cannot do are recorded as errors."""
     errors: list[str] = []
-    trim_heap()  # the level counts live memory only (see measure.trim_heap)
+    settle()  # the level counts live memory only (see measure.settle)
     rss_before = tree_rss_bytes()
     values: dict[str, float] = {}
     if warmup:
@@ -295,7 +295,7 @@ def measure_system(
     # each started as the save's iteration is (heap trimmed) and timed while the same memory
     # sampler runs (the benchmark's own costs are on both sides, not in the stall).
     with PeakMemory():
-        plain_s = plain_iteration_s(state, _PLAIN_ITERATIONS, prepare=trim_heap)
+        plain_s = plain_iteration_s(state, _PLAIN_ITERATIONS, prepare=settle)
     expected = state_digest(state)
     path = workdir / system.info.name
     values.update(_save(system, path, state, base, rss_before, plain_s))

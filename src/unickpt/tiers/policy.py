@@ -337,4 +337,3 @@ def _is_persisted(root: Storage, committed: Committed) -> bool:
     from .persist import persisted
 
     return persisted(root, committed)
-

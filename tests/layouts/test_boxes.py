@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -48,3 +49,25 @@ def test_intersection() -> None:
     assert a.intersect(Box((2, 3), (5, 5))) == Box((2, 3), (2, 1))
     assert a.intersect(Box((4, 0), (1, 4))) is None
     assert Box((), ()).intersect(Box((), ())) == Box((), ())
+
+
+def _cells(box: Box) -> set[tuple[int, ...]]:
+    return set(itertools.product(*(range(o, o + n) for o, n in zip(box.offsets, box.lengths))))
+
+
+@given(st.integers(0, 3), st.data())
+@settings(max_examples=400, deadline=None)
+def test_intersection_is_the_common_cells(ndim: int, data: st.DataObject) -> None:
+    def box() -> Box:
+        offsets = tuple(data.draw(st.integers(0, 5)) for _ in range(ndim))
+        lengths = tuple(data.draw(st.integers(0, 4)) for _ in range(ndim))
+        return Box(offsets, lengths)
+
+    a, b = box(), box()
+    common = _cells(a) & _cells(b)
+    found = a.intersect(b)
+    if not common:
+        assert found is None
+    else:
+        assert found is not None and _cells(found) == common
+    assert found == b.intersect(a)

@@ -43,11 +43,16 @@ class Box(NamedTuple):
 
     def intersect(self, other: Box) -> Box | None:
         """The common block of two boxes, or None when they do not overlap."""
-        offsets = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
-        ends = tuple(min(a, b) for a, b in zip(self.ends, other.ends))
-        if any(e <= o for o, e in zip(offsets, ends)):
-            return None
-        return Box(offsets, tuple(e - o for o, e in zip(offsets, ends)))
+        offsets: list[int] = []
+        lengths: list[int] = []
+        for a, n, b, m in zip(self.offsets, self.lengths, other.offsets, other.lengths):
+            start = a if a > b else b
+            end = min(a + n, b + m)
+            if end <= start:
+                return None
+            offsets.append(start)
+            lengths.append(end - start)
+        return Box(tuple(offsets), tuple(lengths))
 
     def relative_to(self, outer: Box) -> tuple[slice, ...]:
         """Slices that cut this box out of a tensor holding ``outer``."""

@@ -45,16 +45,16 @@ def _state(tensors: int, fill: bool) -> dict[str, torch.Tensor]:
 @contextlib.contextmanager
 def _bucket() -> Iterator[str]:
     """``s3://<new bucket>`` at the environment's endpoint, else at a moto server on loopback."""
-    import boto3
-
     from unickpt.bench.s3 import moto_endpoint
+    from unickpt.storage.s3 import S3Storage
 
     with contextlib.ExitStack() as stack:
         url = os.environ.get("AWS_ENDPOINT_URL") or stack.enter_context(moto_endpoint())
         os.environ["AWS_ENDPOINT_URL"] = url  # unickpt's S3 client reads it there
-        name = f"unickpt-small-{uuid.uuid4().hex[:8]}"
-        boto3.client("s3", endpoint_url=url).create_bucket(Bucket=name)
-        yield f"s3://{name}"
+        bucket = f"s3://unickpt-small-{uuid.uuid4().hex[:8]}"
+        storage = S3Storage(bucket)  # the client the loads will use
+        storage.client.create_bucket(Bucket=storage.bucket)
+        yield bucket
 
 
 def measure(tensors: int, runs: int, s3: bool = False) -> dict[str, dict[str, float]]:

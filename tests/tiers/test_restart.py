@@ -44,6 +44,11 @@ def test_crash_restart_from_memory_then_close(tmp_path: Path) -> None:
     assert sorted(p.name for p in shm.iterdir()) == ["other-job-0123456789ab"]
     assert (other / "COMMIT").read_text() == "theirs"
     assert unickpt.Checkpointer(root).steps() == [5]  # close persisted what storage lacked
+    # ... and what it persisted is step 5 whole, from that one moment (the commit the restore
+    # chose), into one process: bit for bit
+    whole = workers.state(-1, 0, 1, 16)
+    unickpt.load(unickpt.Checkpointer(root).path(5), whole)
+    workers.check(whole, 5, 0, 1, 16)
 
 
 def test_node_loss_peers_elastic_and_storage_fallback(tmp_path: Path) -> None:

@@ -292,7 +292,7 @@ def measure_system(
             system, workdir / f"{system.info.name}-warmup", state
         )
     # The stall's reference, right before the save: the median of a few plain iterations,
-    # each started as the save's iteration is (heap trimmed) and timed while the same memory
+    # each started as the save's iteration is (settled) and timed while the same memory
     # sampler runs (the benchmark's own costs are on both sides, not in the stall).
     with PeakMemory():
         plain_s = plain_iteration_s(state, _PLAIN_ITERATIONS, prepare=settle)

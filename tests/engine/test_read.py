@@ -3,6 +3,9 @@ chunks read together."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from unickpt.engine.loader import reads_needed
 from unickpt.engine.read import BATCH_SPAN_BYTES, SMALL_CHUNK_BYTES, aligned_piece_bytes
 from unickpt.errors import CheckpointCorruptError
 from unickpt.storage import LocalStorage
+from unickpt.storage.local import fs_type
 
 
 def test_pieces_are_whole_segments_of_the_checkpoint() -> None:
@@ -95,3 +99,55 @@ def test_a_read_of_small_chunks_together_spans_at_most_the_batch_bound(tmp_path:
     sizes = [size for _, _, size in storage.reads]
     assert max(sizes) <= BATCH_SPAN_BYTES
     assert len(sizes) <= 2 * (240 * n * 4) // BATCH_SPAN_BYTES + 2  # batched, not one per tensor
+
+
+@pytest.fixture
+def shm_path() -> Iterator[Path]:
+    """A folder in host shared memory (a tmpfs), as the memory tier's node folders are."""
+    if fs_type(Path("/dev/shm")) != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    path = Path(tempfile.mkdtemp(prefix="unickpt-test-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_files_in_memory_are_copied_out_of_maps_and_verified(shm_path: Path) -> None:
+    """Whole chunks of a checkpoint in a tmpfs are copied out of a map of the file (no read
+    call), each segment checked: bit for bit; damage names its tensor and bytes; a small chunk
+    and the last short piece of a chunk still go through reads."""
+    g = torch.Generator().manual_seed(2)
+    state = {
+        "big": torch.randn(3 * MiB + 77, generator=g),  # 12 MiB + 308 B: a short last segment
+        "odd": torch.randint(0, 255, (5 * MiB + 3,), dtype=torch.uint8, generator=g),
+        "small": torch.randn(10, generator=g),
+    }
+    unickpt.save(shm_path / "c", state)
+    storage = _CountingReads(shm_path / "c")
+    assert storage.in_memory
+    config = get_config(read_piece_bytes=4 * MiB)  # "big" in 4 MiB pieces, the last 308 B
+    for verify in (True, False):
+        dest = {k: torch.zeros_like(v) for k, v in state.items()}
+        report = unickpt.load(
+            storage, dest, config=get_config(**{**config.__dict__, "verify": verify})
+        )
+        assert all(torch.equal(dest[k], v) for k, v in state.items())
+        assert report.bytes_read == report.bytes_wanted
+    assert all(n < MiB for _, _, n in storage.reads), storage.reads  # only small pieces read
+
+    _, meta = read_checkpoint(LocalStorage(shm_path / "c"))
+    hit = next(r for r in reads_needed(meta, state) if r.key == "big")
+    at = hit.chunk.byte_offset + 5 * MiB + 9  # inside the sixth segment of "big"
+    with open(shm_path / "c" / hit.file, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    lo = hit.chunk.byte_offset + 5 * MiB
+    with pytest.raises(
+        CheckpointCorruptError, match=rf"bytes \[{lo}, {lo + MiB}\) holding tensor 'big'"
+    ):
+        unickpt.load(storage, dest, config=config)
+    unickpt.load(storage, dest, config=get_config(verify=False))  # not checked: loads as it is
+    changed = (dest["big"] != state["big"]).nonzero().flatten().tolist()
+    assert changed == [(5 * MiB + 9) // 4]

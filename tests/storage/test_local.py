@@ -7,7 +7,7 @@ import pytest
 
 from unickpt import CheckpointLockedError
 from unickpt.storage import LocalStorage
-from unickpt.storage.local import make_folder, pwritev_all
+from unickpt.storage.local import fs_type, make_folder, pwritev_all
 
 
 def test_pwritev_of_more_buffers_than_one_call_takes(tmp_path: Path) -> None:
@@ -64,3 +64,12 @@ def test_lock_is_exclusive(tmp_path: Path) -> None:
         LocalStorage(tmp_path).acquire_lock()
     release()
     LocalStorage(tmp_path).acquire_lock()()
+
+
+def test_the_file_system_of_a_folder_is_known_before_it_exists(tmp_path: Path) -> None:
+    assert fs_type(Path("/proc/self")) == "proc"
+    assert fs_type(tmp_path / "not" / "yet") == fs_type(tmp_path)
+    if fs_type(Path("/dev/shm")) != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    assert LocalStorage("/dev/shm/unickpt-none/step-1").in_memory
+    assert not LocalStorage("/proc/self").in_memory

@@ -118,8 +118,8 @@ class SavedChunks:
             where = f"{self.storage.location}/{refs[i].index}"
             return decode_index_arrays(raw, where, i, self.table)
 
-        if len(files) == 1:  # a thread would cost more than it saves
-            decoded = [one(files[0])]
+        if len(files) == 1 or (self.storage.cheap_reads and len(files) <= _READERS):
+            decoded = [one(i) for i in files]  # threads would cost more than they save
         else:
             threads = min(_READERS, len(files))
             with ThreadPoolExecutor(threads, thread_name_prefix="unickpt-index") as pool:

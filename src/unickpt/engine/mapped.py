@@ -23,11 +23,8 @@ scratch buffer per thread only where mapping failed.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-
-import torch
 
 from ..config import Config
 from ..format.dtypes import buffer_of
@@ -35,6 +32,7 @@ from ..planning.exchange_plan import ExchangePlan, Unit
 from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
 from .exchange import ExchangeStats
+from .file_maps import FileMaps
 from .read import ChunkRef, read_chunk_bytes
 from .scratch import Scratch
 from .unit_copy import copy_parts, verify_and_copy
@@ -53,7 +51,7 @@ def run_mapped_exchange(
     tasks: list[Callable[[], tuple[int, int, int]]] = []
     scratch = Scratch()
     mine = [u for u in plan.units if u.owner == rank or any(p.rank == rank for p in u.parts)]
-    maps = _Maps(storage, mine)
+    maps = FileMaps(storage, ((u.file, u.chunk.byte_offset + u.lo, u.hi - u.lo) for u in mine))
     for u in sorted(mine, key=lambda u: (u.file, u.chunk.byte_offset + u.lo)):
         if u.owner == rank:
             tasks.append(_owned(storage, maps, scratch, u, needed, rank, verify, segment))
@@ -69,53 +67,9 @@ def run_mapped_exchange(
     return ExchangeStats(totals[0], totals[1], totals[2])
 
 
-class _Maps:
-    """One mapping per file of the bytes this rank's units span, made by the first thread that
-    needs it and kept until the exchange ends: one ``mmap`` and one ``munmap`` per file instead
-    of one per unit (each unmapping interrupts every processor running a thread of the process
-    to flush its address translations), and large enough for the kernel to map the page cache's
-    huge pages whole."""
-
-    def __init__(self, storage: Storage, units: Sequence[Unit]) -> None:
-        self.storage = storage
-        self.spans: dict[str, tuple[int, int]] = {}
-        for u in units:
-            lo, hi = u.chunk.byte_offset + u.lo, u.chunk.byte_offset + u.hi
-            a, b = self.spans.get(u.file, (lo, hi))
-            self.spans[u.file] = (min(a, lo), max(b, hi))
-        self.lock = threading.Lock()
-        self.maps: dict[str, torch.Tensor | None] = {}
-
-    def view(self, u: Unit) -> torch.Tensor | None:
-        """The unit's bytes as a uint8 tensor over the mapping, or None if it cannot be mapped."""
-        with self.lock:
-            if u.file not in self.maps:
-                lo, hi = self.spans[u.file]
-                view = self.storage.map_range(u.file, lo, hi - lo)
-                self.maps[u.file] = None if view is None else _tensor(view)
-            mapped = self.maps[u.file]
-        if mapped is None:
-            return None
-        start = u.chunk.byte_offset + u.lo - self.spans[u.file][0]
-        return mapped[start : start + u.hi - u.lo]
-
-    def close(self) -> None:
-        """Drop the mappings (each is unmapped once the last view of it is freed)."""
-        with self.lock:
-            self.maps.clear()
-
-
-def _tensor(view: memoryview) -> torch.Tensor:
-    return (
-        torch.frombuffer(view, dtype=torch.uint8)
-        if len(view)
-        else torch.empty(0, dtype=torch.uint8)
-    )
-
-
 def _owned(
     storage: Storage,
-    maps: _Maps,
+    maps: FileMaps,
     scratch: Scratch,
     u: Unit,
     needed: Sequence[ReadItem],
@@ -127,7 +81,7 @@ def _owned(
 
     def run() -> tuple[int, int, int]:
         size = u.hi - u.lo
-        raw = maps.view(u)
+        raw = maps.view(u.file, u.chunk.byte_offset + u.lo, u.hi - u.lo)
         if raw is None:
             raw = scratch.take(size)
             ref = ChunkRef(u.key, u.file, u.chunk)
@@ -142,7 +96,7 @@ def _owned(
 
 def _shared(
     storage: Storage,
-    maps: _Maps,
+    maps: FileMaps,
     scratch: Scratch,
     u: Unit,
     needed: Sequence[ReadItem],
@@ -152,7 +106,7 @@ def _shared(
     (bytes read where it could not be mapped, placed, placed)."""
 
     def run() -> tuple[int, int, int]:
-        raw = maps.view(u)
+        raw = maps.view(u.file, u.chunk.byte_offset + u.lo, u.hi - u.lo)
         read = 0
         if raw is None:
             size = u.hi - u.lo

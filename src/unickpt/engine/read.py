@@ -1,15 +1,18 @@
 """The read path: parallel positional reads, straight into the destination when it can be.
 
 A read item whose region is a whole chunk and whose destination is contiguous CPU memory is
-read directly into the destination. Otherwise only the byte runs of the region are read (with
-verification on: the checksum segments that hold them) into a small buffer and copied into
-place. Large regions are cut into pieces of about ``read_piece_bytes`` (whole checksum segments
+read directly into the destination; from files that live in memory (a tmpfs, as the memory
+tier's node folders) it is copied out of a map of the file instead, one checksum segment at a
+time, each hashed right after its copy (a read of a tmpfs file goes through the kernel one 4 KiB
+page at a time, which costs more than the copy). Otherwise only the byte runs of the region
+are read (with verification on: the checksum segments that hold them) into a small buffer and
+copied into place. Large regions are cut into pieces of about ``read_piece_bytes`` (whole checksum segments
 of the checkpoint) so memory stays bounded. Small whole chunks that lie next to each other in
 a file (the tensors of norms, biases, optimizer steps) are read together, in one read of their
 span (at most ``BATCH_SPAN_BYTES``), each verified and copied into place: one read per tensor
 costs far more than the bytes. Peak extra memory per thread: a batch's span (a buffer kept for
 the load, at most ``BATCH_SPAN_BYTES``) and the span of a region that is not a whole chunk (at
-most a piece).
+most a piece); maps of in-memory files take page tables only (their pages are the file's).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 
 from ..config import Config
@@ -31,6 +35,7 @@ from ..planning.exchange_plan import flat_span
 from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
 from .checksum import digest
+from .file_maps import FileMaps
 from .memcpy import copy_tensor
 from .scratch import Scratch
 
@@ -39,6 +44,7 @@ _MANY_RUNS = 16
 SMALL_CHUNK_BYTES = 64 * 1024  # whole chunks below this are read together with their neighbours
 BATCH_GAP_BYTES = 64  # the padding between chunks in a file (save_plan.CHUNK_ALIGN)
 BATCH_SPAN_BYTES = 4 << 20  # one read of small chunks spans at most this (a buffer per thread)
+MAPPED_COPY_BYTES = 1 << 20  # ranges of in-memory files from this size are copied out of a map
 
 
 @dataclass(frozen=True)
@@ -61,14 +67,19 @@ def execute_reads(
     piece_bytes = aligned_piece_bytes(config.read_piece_bytes, segment_bytes)
     pieces = [p for item in items for p in _split(item, piece_bytes)]
     pieces.sort(key=lambda it: (it.file, it.chunk.byte_offset))
-    reader = _Reader(storage, segment_bytes, verify)
-    span = min(piece_bytes, BATCH_SPAN_BYTES)
-    tasks = _batched(reader, [t for p in pieces for t in _tasks(p, piece_bytes)], span)
-    if len(tasks) <= 1 or config.io_threads == 1:
-        read = sum(task() for task in tasks)
-    else:
-        with ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-read") as pool:
-            read = sum(pool.map(lambda task: task(), tasks))
+    ranges = [t for p in pieces for t in _tasks(p, piece_bytes)]
+    maps = _maps_of(storage, ranges)
+    reader = _Reader(storage, segment_bytes, verify, maps)
+    tasks = _batched(reader, ranges, min(piece_bytes, BATCH_SPAN_BYTES))
+    try:
+        if len(tasks) <= 1 or config.io_threads == 1:
+            read = sum(task() for task in tasks)
+        else:
+            with ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-read") as pool:
+                read = sum(pool.map(lambda task: task(), tasks))
+    finally:
+        if maps is not None:
+            maps.close()
     wanted = sum(p.region.numel * p.dest.element_size() for p in pieces)
     return ReadStats(read, wanted)
 
@@ -77,6 +88,20 @@ def aligned_piece_bytes(piece_bytes: int, segment_bytes: int) -> int:
     """The reader's piece, cut to whole segments of the checkpoint being read (whose segment
     may differ from this process's config), so that every piece is verified on its own."""
     return max(segment_bytes, piece_bytes // segment_bytes * segment_bytes)
+
+
+def _maps_of(storage: Storage, tasks: list[tuple[ReadItem, int, int]]) -> FileMaps | None:
+    """Maps of the files whose whole chunks the tasks copy, when the files live in memory:
+    there a copy out of a map (then each segment hashed while in cache) beats a read, which
+    goes through the kernel one 4 KiB page at a time."""
+    if not (storage.in_memory and storage.maps_files):
+        return None
+    ranges = [
+        (item.file, item.chunk.byte_offset + a, b - a)
+        for item, a, b in tasks
+        if a >= 0 and b - a >= MAPPED_COPY_BYTES
+    ]
+    return FileMaps(storage, ranges) if ranges else None
 
 
 def _tasks(item: ReadItem, piece_bytes: int) -> list[tuple[ReadItem, int, int]]:
@@ -183,10 +208,30 @@ def read_chunk_bytes(
         check_segments(ref, start, out, segment)
 
 
+def copy_chunk_bytes(
+    ref: ChunkRef, start: int, src: torch.Tensor, out: torch.Tensor, verify: bool, segment: int
+) -> None:
+    """Copy chunk bytes ``[start, start + len(out))`` from ``src`` (a map of them) into the
+    uint8 tensor ``out``; with ``verify``, ``start`` is segment-aligned and every segment is
+    checked right after its copy, while it is still in the processor's cache."""
+    check = verify and bool(ref.chunk.checksums)
+    dst, raw = out.numpy(), src.numpy()
+    step = segment if check else max(1, len(dst))
+    for pos in range(0, len(dst), step):
+        piece = dst[pos : pos + step]
+        np.copyto(piece, raw[pos : pos + step])
+        if check:
+            check_buffer(ref, start + pos, memoryview(piece), segment)  # type: ignore[arg-type]
+
+
 def check_segments(ref: ChunkRef, start: int, data: torch.Tensor, seg: int) -> None:
     """Raise CheckpointCorruptError unless every checksum segment of ``data`` (bytes ``[start,
     start + len(data))`` of the chunk, ``start`` segment-aligned) matches the index."""
-    mv = buffer_of(data)
+    check_buffer(ref, start, buffer_of(data), seg)
+
+
+def check_buffer(ref: ChunkRef, start: int, mv: memoryview, seg: int) -> None:
+    """:func:`check_segments` of bytes already viewed as a memoryview."""
     sums = ref.chunk.checksums
     for pos in range(0, len(mv), seg):
         index = (start + pos) // seg
@@ -235,17 +280,31 @@ def is_direct(item: ReadItem) -> bool:
 
 
 class _Reader:
-    def __init__(self, storage: Storage, segment: int, verify: bool) -> None:
+    def __init__(
+        self, storage: Storage, segment: int, verify: bool, maps: FileMaps | None = None
+    ) -> None:
         self.storage = storage
         self.segment = segment
         self.verify = verify
+        self.maps = maps
         self.scratch = Scratch()
 
     def run(self, item: ReadItem, start: int, stop: int) -> int:
         if start < 0:
             return self._read_region(item)
-        self._read_verified(item, start, byte_view(item.dest)[start:stop])
+        out = byte_view(item.dest)[start:stop]
+        src = self._mapped(item, start, stop)
+        if src is None:
+            self._read_verified(item, start, out)
+        else:
+            ref = ChunkRef(item.key, item.file, item.chunk)
+            copy_chunk_bytes(ref, start, src, out, self.verify, self.segment)
         return stop - start
+
+    def _mapped(self, item: ReadItem, start: int, stop: int) -> torch.Tensor | None:
+        if self.maps is None or stop - start < MAPPED_COPY_BYTES:
+            return None
+        return self.maps.view(item.file, item.chunk.byte_offset + start, stop - start)
 
     def run_batch(self, items: Sequence[ReadItem]) -> int:
         """Read whole small chunks of one file, in file order, with one read of their span;

@@ -32,6 +32,7 @@ class ReferencingStorage(Storage):
         self.maps_files = inner.maps_files
         self.max_part_bytes = inner.max_part_bytes
         self.cheap_reads = inner.cheap_reads
+        self.in_memory = inner.in_memory
         self._steps: dict[str, Storage] = {}
         self._lock = threading.Lock()
 

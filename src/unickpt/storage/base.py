@@ -163,6 +163,10 @@ class Storage(ABC):
     """A read costs little more than its copy (local files): a verified read goes one checksum
     segment at a time, each checked while it is still in the processor's cache."""
 
+    in_memory: bool = False
+    """The files live in memory (a tmpfs such as ``/dev/shm``): reading them is a memory copy,
+    so loads copy out of maps of them (:meth:`map_range`) rather than read them."""
+
     @property
     @abstractmethod
     def location(self) -> str:

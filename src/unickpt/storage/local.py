@@ -20,6 +20,8 @@ from .base import Storage, WriteHandle, check_name
 
 _IOV_MAX = 1024
 _HUGE = 2 * 1024 * 1024  # a multiple of every allocation granularity Linux has
+_MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
+_fs_types: dict[int, str] = {}  # device number -> file system type, read once per device
 
 
 def _os_error(e: OSError, what: str) -> CheckpointError:
@@ -71,6 +73,37 @@ def pwritev_all(fd: int, buffers: Sequence[memoryview], offset: int) -> None:
             views[i] = views[i][n:]
 
 
+def fs_type(path: Path) -> str:
+    """The type of the file system holding ``path`` (or, when it does not exist yet, its
+    nearest existing parent) as ``/proc/self/mountinfo`` names it; "" when unknown."""
+    for p in (path, *path.absolute().parents):
+        try:
+            dev = os.stat(p).st_dev
+            break
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return ""
+    else:
+        return ""
+    if dev not in _fs_types:
+        _fs_types[dev] = _mounted_type(dev)
+    return _fs_types[dev]
+
+
+def _mounted_type(dev: int) -> str:
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        fields = line.split(" - ", 1)
+        if len(fields) == 2 and fields[0].split()[2:3] == [want]:
+            return fields[1].split()[0] if fields[1].split() else ""
+    return ""
+
+
 class LocalWriteHandle(WriteHandle):
     def __init__(self, path: Path, part_sizes: Sequence[int], overwrite: bool = False) -> None:
         super().__init__(str(path), part_sizes, 0)
@@ -118,6 +151,7 @@ class LocalStorage(Storage):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.root = Path(path)
+        self.in_memory = fs_type(self.root) in _MEMORY_FILE_SYSTEMS
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._made = False

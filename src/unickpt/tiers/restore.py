@@ -307,6 +307,9 @@ class WithIndexes(Storage):
         self.targets = targets
         self.maps_files = base.maps_files
         self.cheap_reads = base.cheap_reads
+        # Files still arriving are read segment by segment, each as soon as it is there: a map
+        # of a file's whole span would wait for all of it.
+        self.in_memory = base.in_memory and arrivals is None
 
     @property
     def location(self) -> str:

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from unickpt.engine.memcpy import copy_rows, host_rows, intra_op_fits
+from unickpt.engine.memcpy import copy_rows, copy_threads, host_rows, intra_op_fits
 
 
 def _source(dtype: torch.dtype) -> torch.Tensor:
@@ -72,3 +72,16 @@ def test_intra_op_copies_only_where_every_rank_s_threads_fit_the_cores(
         assert intra_op_fits() == (cores >= 2)
     finally:
         torch.set_num_threads(before)
+
+
+def test_copy_threads_keep_a_rank_within_its_share_of_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert copy_threads(4) == min(4, cores)
+    assert copy_threads(1) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))  # more ranks than cores: one each
+    assert copy_threads(4) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert copy_threads(64) == max(1, cores // 2)

@@ -33,12 +33,26 @@ def intra_op_fits() -> bool:
     threads = torch.get_num_threads()
     if threads < 2:
         return False
+    return threads * _ranks_on_host() <= len(os.sched_getaffinity(0))
+
+
+def copy_threads(wanted: int) -> int:
+    """Threads for host copies that keep this rank within its share of the host's cores:
+    ``wanted``, at most the cores this process may use divided among the host's ranks (never
+    fewer than one). Copies out of memory are bound by the cores, so a thread more than that
+    only waits its turn (and its start costs about a millisecond on a busy host)."""
+    share = len(os.sched_getaffinity(0)) // _ranks_on_host()
+    return max(1, min(wanted, share))
+
+
+def _ranks_on_host() -> int:
+    """``LOCAL_WORLD_SIZE`` (set by torchrun), else the whole process group (an upper bound)."""
     value = os.environ.get("LOCAL_WORLD_SIZE", "")
     local = int(value) if value.isdigit() else 0
     if local < 1:
         dist = torch.distributed
         local = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return threads * local <= len(os.sched_getaffinity(0))
+    return local
 
 
 def copy_tensor(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:

@@ -6,13 +6,15 @@ tier's node folders) it is copied out of a map of the file instead, one checksum
 time, each hashed right after its copy (a read of a tmpfs file goes through the kernel one 4 KiB
 page at a time, which costs more than the copy). Otherwise only the byte runs of the region
 are read (with verification on: the checksum segments that hold them) into a small buffer and
-copied into place. Large regions are cut into pieces of about ``read_piece_bytes`` (whole checksum segments
-of the checkpoint) so memory stays bounded. Small whole chunks that lie next to each other in
-a file (the tensors of norms, biases, optimizer steps) are read together, in one read of their
-span (at most ``BATCH_SPAN_BYTES``), each verified and copied into place: one read per tensor
-costs far more than the bytes. Peak extra memory per thread: a batch's span (a buffer kept for
-the load, at most ``BATCH_SPAN_BYTES``) and the span of a region that is not a whole chunk (at
-most a piece); maps of in-memory files take page tables only (their pages are the file's).
+copied into place. Large regions are cut into pieces of about ``read_piece_bytes`` (whole
+checksum segments of the checkpoint) so memory stays bounded. Small whole chunks that lie next
+to each other in a file (the tensors of norms, biases, optimizer steps) are read together, in
+one read of their span (at most ``BATCH_SPAN_BYTES``), each verified and copied into place: one
+read per tensor costs far more than the bytes. From memory, reads are copies bound by the
+cores: they run on at most this rank's share of the host's cores. Peak extra memory per thread:
+a batch's span (a buffer kept for the load, at most ``BATCH_SPAN_BYTES``) and the span of a
+region that is not a whole chunk (at most a piece); maps of in-memory files take page tables
+only (their pages are the file's).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
 from .checksum import digest
 from .file_maps import FileMaps
-from .memcpy import copy_tensor
+from .memcpy import copy_tensor, copy_threads
 from .scratch import Scratch
 
 _SMALL_RUN_BYTES = 64 * 1024
@@ -71,11 +73,13 @@ def execute_reads(
     maps = _maps_of(storage, ranges)
     reader = _Reader(storage, segment_bytes, verify, maps)
     tasks = _batched(reader, ranges, min(piece_bytes, BATCH_SPAN_BYTES))
+    # From memory, reads are copies: as many threads as this rank's share of the cores.
+    threads = copy_threads(config.io_threads) if storage.in_memory else config.io_threads
     try:
-        if len(tasks) <= 1 or config.io_threads == 1:
+        if len(tasks) <= 1 or threads == 1:
             read = sum(task() for task in tasks)
         else:
-            with ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-read") as pool:
+            with ThreadPoolExecutor(threads, thread_name_prefix="unickpt-read") as pool:
                 read = sum(pool.map(lambda task: task(), tasks))
     finally:
         if maps is not None:

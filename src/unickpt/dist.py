@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,8 +23,82 @@ T = TypeVar("T")
 L = TypeVar("L")
 S = TypeVar("S")
 
-_GROUPS: dict[tuple[int, ...], Any] = {}
+_GROUPS: dict[tuple[int, ...], OwnGroup] = {}  # the groups of Comm, by global ranks
+_OWNED: list[OwnGroup] = []  # every group unickpt made, released at interpreter exit
 _GROUPS_LOCK = threading.Lock()
+_MAKING = threading.Lock()  # Comm groups are made (collectively) by one thread at a time
+
+
+class OwnGroup:
+    """A gloo process group unickpt made for its own collectives, never the training's.
+
+    All of them are destroyed by :func:`release_groups` at interpreter exit, while the
+    interpreter is still whole: a gloo group still alive when the interpreter finalizes can
+    abort the process, since its worker thread may release the tensors of the last collective
+    it ran (which takes the interpreter lock) after finalization began, and a thread taking
+    the lock then is stopped inside torch's C++ code ("terminate called without an active
+    exception", SIGABRT). A group that ``destroy_process_group()`` destroyed is made anew by
+    the next save or load of the ranks that share it (after a new ``init_process_group``).
+    """
+
+    def __init__(self, ranks: Sequence[int], timeout_s: float) -> None:
+        """Collective over ``ranks`` (global ranks), like ``new_group``."""
+        self._pg: Any = dist.new_group(
+            ranks=list(ranks),
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+            use_local_synchronization=len(ranks) != dist.get_world_size(),
+        )
+        with _GROUPS_LOCK:
+            _OWNED.append(self)
+
+    @property
+    def pg(self) -> Any:
+        if self._pg is None:
+            raise E.DistributedCheckpointError(
+                "unickpt's process groups were released (at interpreter exit, or by "
+                "unickpt.dist.release_groups()); save and load before the interpreter exits.",
+                {},
+            )
+        return self._pg
+
+    @property
+    def alive(self) -> bool:
+        """Not released, and still known to torch (``destroy_process_group()`` forgets it)."""
+        return self._pg is not None and _registered(self._pg)
+
+    def release(self) -> None:
+        """Destroy the group (unless torch already did); every later use raises."""
+        pg, self._pg = self._pg, None
+        if pg is not None and _registered(pg):
+            dist.destroy_process_group(pg)
+
+
+def _registered(pg: Any) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        dist.get_process_group_ranks(pg)
+    except (ValueError, KeyError, RuntimeError):
+        return False
+    return True
+
+
+def release_groups() -> None:
+    """Destroy every process group unickpt made (run at interpreter exit; see
+    :class:`OwnGroup`). Saves and loads made afterwards make new ones."""
+    with _GROUPS_LOCK:
+        owned = list(_OWNED)
+        _OWNED.clear()
+        _GROUPS.clear()
+    for group in owned:
+        try:
+            group.release()
+        except Exception as e:  # noqa: BLE001 - the process is ending: say so, release the rest
+            log.warning("releasing a process group of unickpt at exit failed: %s", e)
+
+
+atexit.register(release_groups)
 
 
 @dataclass(frozen=True)
@@ -40,7 +115,7 @@ class Comm:
     """The ranks taking part in one save or load. A single process is a world of one."""
 
     def __init__(self, group: Any = None, timeout_s: float = 1800.0) -> None:
-        self._pg: Any = None
+        self._group: OwnGroup | None = None
         self._timeout_s = timeout_s
         if dist.is_available() and dist.is_initialized():
             ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
@@ -48,9 +123,14 @@ class Comm:
             self.world_size = len(ranks)
             self._global_ranks = ranks
             if self.world_size > 1:
-                self._pg = _gloo_group(ranks, group, timeout_s)
+                self._group = _gloo_group(ranks, timeout_s)
         else:
             self.rank, self.world_size, self._global_ranks = 0, 1, (0,)
+
+    @property
+    def _pg(self) -> Any:
+        """The gloo group, None for a single process; raises once released."""
+        return None if self._group is None else self._group.pg
 
     @property
     def is_coordinator(self) -> bool:
@@ -118,20 +198,22 @@ def _span(ranks: list[int]) -> str:
     return shown + (f" ... {ranks[-1]}" if len(ranks) > 8 else "")
 
 
-def _gloo_group(ranks: tuple[int, ...], group: Any, timeout_s: float) -> Any:
-    with _GROUPS_LOCK:
-        pg = _GROUPS.get(ranks)
-        if pg is None:
-            timeout = datetime.timedelta(seconds=timeout_s)
-            whole = len(ranks) == dist.get_world_size()
-            pg = dist.new_group(
-                ranks=list(ranks),
-                backend="gloo",
-                timeout=timeout,
-                use_local_synchronization=not whole,
-            )
-            _GROUPS[ranks] = pg
-        return pg
+def _gloo_group(ranks: tuple[int, ...], timeout_s: float) -> OwnGroup:
+    """The group of ``ranks`` that every Comm over them shares, made on first use (and again
+    once torch destroyed it). One thread at a time: making a group is a collective."""
+    with _MAKING:
+        with _GROUPS_LOCK:
+            found = _GROUPS.get(ranks)
+            if found is not None and not found.alive and found in _OWNED:
+                _OWNED.remove(found)  # destroy_process_group() destroyed it
+        if found is not None and found.alive:
+            return found
+        if found is not None:
+            found.release()
+        made = OwnGroup(ranks, timeout_s)
+        with _GROUPS_LOCK:
+            _GROUPS[ranks] = made
+        return made
 
 
 def dedicated_comm(group: Any, timeout_s: float) -> Comm:
@@ -139,13 +221,8 @@ def dedicated_comm(group: Any, timeout_s: float) -> Comm:
     share), for collectives that may run while a save's background thread uses that one. All
     ranks of the world call it together, in the same order as other group creations."""
     comm = Comm(group, timeout_s)
-    if comm._pg is not None:
-        comm._pg = dist.new_group(
-            ranks=list(comm._global_ranks),
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
-            use_local_synchronization=comm.world_size != dist.get_world_size(),
-        )
+    if comm._group is not None:
+        comm._group = OwnGroup(comm._global_ranks, timeout_s)
     return comm
 
 

@@ -15,7 +15,6 @@ buffers.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import mmap
 import os
 import threading
@@ -29,6 +28,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..dist import OwnGroup
 from ..engine.scratch import Scratch
 from ..errors import DistributedCheckpointError
 from .direct import Targets, messages
@@ -43,21 +43,19 @@ class TierGroup:
     """The ranks of one Checkpointer's group, on a gloo group of the memory tier's own."""
 
     def __init__(self, group: Any, timeout_s: float) -> None:
-        self._pg: Any = None
+        self._group: OwnGroup | None = None
         self.timeout_s = timeout_s
         if dist.is_available() and dist.is_initialized():
             self.ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
             self.rank = self.ranks.index(dist.get_rank())
             if len(self.ranks) > 1:
-                whole = len(self.ranks) == dist.get_world_size()
-                self._pg = dist.new_group(
-                    ranks=list(self.ranks),
-                    backend="gloo",
-                    timeout=datetime.timedelta(seconds=timeout_s),
-                    use_local_synchronization=not whole,
-                )
+                self._group = OwnGroup(self.ranks, timeout_s)
         else:
             self.ranks, self.rank = (0,), 0
+
+    @property
+    def _pg(self) -> Any:
+        return None if self._group is None else self._group.pg
 
     @property
     def size(self) -> int:

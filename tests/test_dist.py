@@ -44,6 +44,11 @@ def _groups_across_inits(rank: int, world: int, root: str, port: int) -> dict[st
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)  # ...and starts a new one
     out["second"] = _roundtrip(f"{root}/b", rank, 2.0)
+    try:
+        first.barrier()  # a Comm (as a Checkpointer keeps one) made before the new init
+        out["stale_use"] = "no error"
+    except DistributedCheckpointError as e:
+        out["stale_use"] = str(e)
     second = udist.Comm()
     out["new_group"] = second._group is not first._group and second._group is not None
     udist.release_groups()  # what interpreter exit runs
@@ -65,6 +70,8 @@ def test_groups_are_made_anew_after_destroy_and_released_at_exit(tmp_path: Path)
         assert r["stale_after_destroy"] and r["new_group"] and r["released"]
         assert "unickpt's process groups were released" in r["after_release"]
         assert "before the interpreter exits" in r["after_release"]
+        assert "destroyed by torch.distributed.destroy_process_group()" in r["stale_use"]
+        assert "make a new Checkpointer" in r["stale_use"]
 
 
 _EXITING = """

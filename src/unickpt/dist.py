@@ -24,9 +24,18 @@ L = TypeVar("L")
 S = TypeVar("S")
 
 _GROUPS: dict[tuple[int, ...], OwnGroup] = {}  # the groups of Comm, by global ranks
-_OWNED: list[OwnGroup] = []  # every group unickpt made, released at interpreter exit
+_OWNED: list[OwnGroup] = []  # every live group unickpt made, released at interpreter exit
 _GROUPS_LOCK = threading.Lock()
-_MAKING = threading.Lock()  # Comm groups are made (collectively) by one thread at a time
+_MAKING = threading.RLock()  # groups are made (a collective) by one thread at a time
+_RELEASED = (
+    "unickpt's process groups were released (at interpreter exit, or by "
+    "unickpt.dist.release_groups()); save and load before the interpreter exits."
+)
+_DESTROYED = (
+    "the process group this save, load or Checkpointer was made with was destroyed by "
+    "torch.distributed.destroy_process_group(); after a new init_process_group, make a new "
+    "Checkpointer (unickpt.save and unickpt.load make new groups by themselves)."
+)
 
 
 class OwnGroup:
@@ -37,29 +46,32 @@ class OwnGroup:
     abort the process, since its worker thread may release the tensors of the last collective
     it ran (which takes the interpreter lock) after finalization began, and a thread taking
     the lock then is stopped inside torch's C++ code ("terminate called without an active
-    exception", SIGABRT). A group that ``destroy_process_group()`` destroyed is made anew by
-    the next save or load of the ranks that share it (after a new ``init_process_group``).
+    exception", SIGABRT). A group that ``destroy_process_group()`` destroyed is let go when the
+    next one is made, and using it raises (the Comm of a save or load makes a new one).
     """
 
     def __init__(self, ranks: Sequence[int], timeout_s: float) -> None:
         """Collective over ``ranks`` (global ranks), like ``new_group``."""
-        self._pg: Any = dist.new_group(
-            ranks=list(ranks),
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
-            use_local_synchronization=len(ranks) != dist.get_world_size(),
-        )
-        with _GROUPS_LOCK:
-            _OWNED.append(self)
+        self._why = ""
+        with _MAKING:
+            self._pg: Any = dist.new_group(
+                ranks=list(ranks),
+                backend="gloo",
+                timeout=datetime.timedelta(seconds=timeout_s),
+                use_local_synchronization=len(ranks) != dist.get_world_size(),
+            )
+            with _GROUPS_LOCK:
+                dead = [g for g in _OWNED if not g.alive]
+                _OWNED[:] = [g for g in _OWNED if g not in dead] + [self]
+        for group in dead:  # torch destroyed them: drop the last references here and now
+            group._pg, group._why = None, _DESTROYED
 
     @property
     def pg(self) -> Any:
         if self._pg is None:
-            raise E.DistributedCheckpointError(
-                "unickpt's process groups were released (at interpreter exit, or by "
-                "unickpt.dist.release_groups()); save and load before the interpreter exits.",
-                {},
-            )
+            raise E.DistributedCheckpointError(self._why or _RELEASED, {})
+        if not _registered(self._pg):
+            raise E.DistributedCheckpointError(_DESTROYED, {})
         return self._pg
 
     @property
@@ -69,7 +81,7 @@ class OwnGroup:
 
     def release(self) -> None:
         """Destroy the group (unless torch already did); every later use raises."""
-        pg, self._pg = self._pg, None
+        pg, self._pg, self._why = self._pg, None, _RELEASED
         if pg is not None and _registered(pg):
             dist.destroy_process_group(pg)
 
@@ -200,16 +212,12 @@ def _span(ranks: list[int]) -> str:
 
 def _gloo_group(ranks: tuple[int, ...], timeout_s: float) -> OwnGroup:
     """The group of ``ranks`` that every Comm over them shares, made on first use (and again
-    once torch destroyed it). One thread at a time: making a group is a collective."""
+    once torch destroyed it)."""
     with _MAKING:
         with _GROUPS_LOCK:
             found = _GROUPS.get(ranks)
-            if found is not None and not found.alive and found in _OWNED:
-                _OWNED.remove(found)  # destroy_process_group() destroyed it
         if found is not None and found.alive:
             return found
-        if found is not None:
-            found.release()
         made = OwnGroup(ranks, timeout_s)
         with _GROUPS_LOCK:
             _GROUPS[ranks] = made

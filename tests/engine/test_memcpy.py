@@ -85,3 +85,5 @@ def test_copy_threads_keep_a_rank_within_its_share_of_the_cores(
     assert copy_threads(4) == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert copy_threads(64) == max(1, cores // 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # unknown: the process counts as alone
+    assert copy_threads(64) == cores

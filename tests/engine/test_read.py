@@ -151,3 +151,22 @@ def test_files_in_memory_are_copied_out_of_maps_and_verified(shm_path: Path) -> 
     unickpt.load(storage, dest, config=get_config(verify=False))  # not checked: loads as it is
     changed = (dest["big"] != state["big"]).nonzero().flatten().tolist()
     assert changed == [(5 * MiB + 9) // 4]
+
+
+class _Unmappable(_CountingReads):
+    """A folder in memory whose files cannot be mapped (no address space left for them)."""
+
+    def map_range(self, name: str, offset: int, length: int) -> memoryview | None:
+        return None
+
+
+def test_files_in_memory_that_cannot_be_mapped_are_read(shm_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    state = {"big": torch.randn(2 * MiB + 5, generator=g), "small": torch.arange(7.0)}
+    unickpt.save(shm_path / "c", state)
+    storage = _Unmappable(shm_path / "c")
+    assert storage.in_memory
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    unickpt.load(storage, dest)
+    assert all(torch.equal(dest[k], v) for k, v in state.items())
+    assert sum(n for _, _, n in storage.reads) >= state["big"].numel() * 4  # read, not mapped

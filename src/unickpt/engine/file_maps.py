@@ -54,8 +54,12 @@ class FileMaps:
         torch's deleter of a map's tensor (which aborts the process)."""
         with self._lock:
             maps, self._maps = self._maps, {}
-        if any(m is not None for m in maps.values()):
+        if not any(m is not None for m in maps.values()):
+            return
+        try:
             threading.Thread(target=maps.clear, name="unickpt-unmap").start()
+        except RuntimeError:  # no thread to be had (a limit, or the interpreter is ending)
+            maps.clear()
 
 
 def _tensor(view: memoryview) -> torch.Tensor:

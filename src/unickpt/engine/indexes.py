@@ -33,6 +33,7 @@ from ..storage.base import Storage
 from .commit import read_index_bytes
 
 _READERS = 8
+_FEW_FILES = 3  # local indexes read one after another (on a network mount: 3 round trips)
 _FEW = 8  # chunks of a tensor matched one by one rather than as arrays
 
 
@@ -118,7 +119,7 @@ class SavedChunks:
             where = f"{self.storage.location}/{refs[i].index}"
             return decode_index_arrays(raw, where, i, self.table)
 
-        if len(files) == 1 or (self.storage.cheap_reads and len(files) <= _READERS):
+        if len(files) == 1 or (self.storage.cheap_reads and len(files) <= _FEW_FILES):
             decoded = [one(i) for i in files]  # threads would cost more than they save
         else:
             threads = min(_READERS, len(files))

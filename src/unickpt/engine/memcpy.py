@@ -38,11 +38,13 @@ def intra_op_fits() -> bool:
 
 def copy_threads(wanted: int) -> int:
     """Threads for host copies that keep this rank within its share of the host's cores:
-    ``wanted``, at most the cores this process may use divided among the host's ranks (never
-    fewer than one). Copies out of memory are bound by the cores, so a thread more than that
-    only waits its turn (and its start costs about a millisecond on a busy host)."""
-    share = len(os.sched_getaffinity(0)) // _ranks_on_host()
-    return max(1, min(wanted, share))
+    ``wanted``, at most the cores this process may use divided among the host's ranks
+    (``LOCAL_WORLD_SIZE``; unset, the process counts as alone), never fewer than one. Copies out
+    of memory are bound by the cores, so a thread more than that only waits its turn (and its
+    start costs about a millisecond on a busy host)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    local = int(value) if value.isdigit() and int(value) > 0 else 1
+    return max(1, min(wanted, len(os.sched_getaffinity(0)) // local))
 
 
 def _ranks_on_host() -> int:

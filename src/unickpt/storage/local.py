@@ -219,7 +219,10 @@ class LocalStorage(Storage):
         # page cache, where it holds them, are mapped whole (x86-64: one fault per 2 MiB).
         start = offset // _HUGE * _HUGE
         prot = mmap.PROT_READ | mmap.PROT_WRITE  # copy on write: tensors want a writable buffer
-        mapped = mmap.mmap(fd, offset + length - start, mmap.MAP_PRIVATE, prot, offset=start)
+        try:
+            mapped = mmap.mmap(fd, offset + length - start, mmap.MAP_PRIVATE, prot, offset=start)
+        except OSError:  # no address space or commit charge left for it: the caller reads
+            return None
         return memoryview(mapped)[offset - start :]
 
     def size(self, name: str) -> int | None:

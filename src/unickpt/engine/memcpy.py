@@ -42,19 +42,22 @@ def copy_threads(wanted: int) -> int:
     (``LOCAL_WORLD_SIZE``; unset, the process counts as alone), never fewer than one. Copies out
     of memory are bound by the cores, so a thread more than that only waits its turn (and its
     start costs about a millisecond on a busy host)."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "")
-    local = int(value) if value.isdigit() and int(value) > 0 else 1
-    return max(1, min(wanted, len(os.sched_getaffinity(0)) // local))
+    return max(1, min(wanted, len(os.sched_getaffinity(0)) // (_local_world_size() or 1)))
 
 
 def _ranks_on_host() -> int:
     """``LOCAL_WORLD_SIZE`` (set by torchrun), else the whole process group (an upper bound)."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "")
-    local = int(value) if value.isdigit() else 0
-    if local < 1:
+    local = _local_world_size()
+    if local is None:
         dist = torch.distributed
         local = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return local
+
+
+def _local_world_size() -> int | None:
+    """``LOCAL_WORLD_SIZE`` when it is set to a positive number (unreadable counts as unset)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def copy_tensor(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:

@@ -103,9 +103,15 @@ def _maps_of(storage: Storage, tasks: list[tuple[ReadItem, int, int]]) -> FileMa
     ranges = [
         (item.file, item.chunk.byte_offset + a, b - a)
         for item, a, b in tasks
-        if a >= 0 and b - a >= MAPPED_COPY_BYTES
+        if a >= 0 and _copied_from_map(a, b)
     ]
     return FileMaps(storage, ranges) if ranges else None
+
+
+def _copied_from_map(start: int, stop: int) -> bool:
+    """Whether chunk bytes ``[start, stop)`` of a file in memory are copied out of a map (the
+    same answer when the maps are made and when they are used)."""
+    return stop - start >= MAPPED_COPY_BYTES
 
 
 def _tasks(item: ReadItem, piece_bytes: int) -> list[tuple[ReadItem, int, int]]:
@@ -306,7 +312,7 @@ class _Reader:
         return stop - start
 
     def _mapped(self, item: ReadItem, start: int, stop: int) -> torch.Tensor | None:
-        if self.maps is None or stop - start < MAPPED_COPY_BYTES:
+        if self.maps is None or not _copied_from_map(start, stop):
             return None
         return self.maps.view(item.file, item.chunk.byte_offset + start, stop - start)
 

@@ -234,3 +234,47 @@ def test_shard0_into_shard1_reads_every_byte_once_and_finds_damage(tmp_path: Pat
     assert [r["no shm"] for r in results] == [(True, total), (True, total)]
     refused = [r["refused"] for r in results]
     assert all(has_units and stats is not None and not stats.shared for has_units, stats in refused)
+
+
+class _Recording(LocalStorage):
+    """A local checkpoint folder that records the names of the whole files read from it."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.names: list[str] = []
+
+    def read_bytes(self, name: str) -> bytes | None:
+        self.names.append(name)
+        return super().read_bytes(name)
+
+
+def _partial_needs(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Row halves saved by two ranks; rank 0 loads the left half of the top rows, rank 1 the
+    right half of all rows. They share the top chunk; rank 0 needs nothing of the bottom."""
+    g = torch.Generator().manual_seed(3)
+    full = {k: torch.randn(64, 48, generator=g) for k in ("w", "v")}
+    rows = slice(32 * rank, 32 * rank + 32)
+    saved = {k: unickpt.ShardedTensor(t[rows].clone(), (64, 48), (32 * rank, 0))
+             for k, t in full.items()}  # fmt: skip
+    config = get_config(segment_bytes=SEG)
+    unickpt.save(f"{root}/c", saved, config=config)
+    box = ((0, 0), (32, 24)) if rank == 0 else ((0, 24), (64, 24))
+    (r0, c0), (nr, nc) = box
+    dest = {k: unickpt.ShardedTensor(torch.zeros(nr, nc), (64, 48), (r0, c0)) for k in full}
+    storage = _Recording(f"{root}/c")
+    report = unickpt.load(storage, dest, config=config)
+    equal = all(torch.equal(dest[k].local, full[k][r0 : r0 + nr, c0 : c0 + nc]) for k in full)
+    return {
+        "equal": equal,
+        "indexes": sorted({n.split("-")[-1] for n in storage.names if n.startswith("index-")}),
+        "from peers": report.bytes_from_peers,
+    }
+
+
+def test_a_rank_reads_only_the_indexes_of_chunks_it_needs(tmp_path: Path) -> None:
+    """The exchange plans chunks that only other ranks need from the geometry in their needs:
+    no rank reads the index of a file it reads nothing from."""
+    results = run_ranks(2, _partial_needs, str(tmp_path))
+    assert all(r["equal"] for r in results)
+    assert [r["indexes"] for r in results] == [["00000.json"], ["00000.json", "00001.json"]]
+    assert all(r["from peers"] > 0 for r in results)  # the top chunk was read once, shared

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+
+import pytest
 
 from unickpt.format.metadata import ChunkMeta, TensorMeta
 from unickpt.layouts.boxes import Box
@@ -33,7 +36,7 @@ def _col_needs(meta: TensorMeta, rank: int, key: str = "w") -> tuple[Need, ...]:
     out = []
     for c in meta.chunks:
         region = Box((c.offsets[0], rank * cols // 2), (c.lengths[0], cols // 2))
-        out.append(Need(key, FILES[c.file], c.byte_offset, region, c.nbytes))
+        out.append(Need(key, FILES[c.file], c.byte_offset, region, c.nbytes, c.box, c.nbytes))
     return tuple(out)
 
 
@@ -91,12 +94,38 @@ def test_a_chunk_is_exchanged_only_when_that_reads_fewer_bytes() -> None:
     # Both ranks need the first row only: reading alone costs a segment each; the exchange would
     # read one segment once, so it is used.
     row = Box((0, 0), (1, 32))
-    needs = [Need("w", FILES[0], 0, Box((0, 32 * r), (1, 32)), SEG) for r in range(2)]
+    needs = [
+        Need("w", FILES[0], 0, Box((0, 32 * r), (1, 32)), SEG, chunk.box, chunk.nbytes)
+        for r in range(2)
+    ]
     offers = [RankNeeds("h", f"t{r}", (needs[r],)) for r in range(2)]
     plan = plan_exchange(offers, {"w": meta}, FILES, SEG, SEG, SEG)
     assert [(u.lo, u.hi) for u in plan.units] == [(0, SEG)]
     # Reading alone costs what the exchange would read: nothing is gained, each reads alone.
-    cheap = [Need("w", FILES[0], 0, row, 64) for _ in range(2)]
+    cheap = [Need("w", FILES[0], 0, row, 64, chunk.box, chunk.nbytes) for _ in range(2)]
     offers = [RankNeeds("h", f"t{r}", (cheap[r],)) for r in range(2)]
     assert plan_exchange(offers, {"w": meta}, FILES, SEG, SEG, SEG).units == ()
     assert flat_span(chunk, Box((1, 3), (2, 4))) == (67, 64 * 2 + 7)
+
+
+def test_ranks_that_read_no_part_of_a_chunk_plan_its_units_alike() -> None:
+    """The ranks of another host, and ranks that need none of a chunk, have not read its index:
+    they plan its units from the geometry the needs carry, and the plan is the same as where
+    the chunk is known (owners, rounds, buffers), so collectives and owners agree."""
+    meta = _row_sharded(512, 768)
+    offers = [RankNeeds("host", f"t{r}", _col_needs(meta, r)) for r in range(2)]
+    offers += [RankNeeds("other", f"t{r}", _col_needs(meta, r - 2)) for r in (2, 3)]
+    known = plan_exchange(offers, {"w": meta}, FILES, SEG, 16 * SEG, 64 * SEG)
+    unread = dataclasses.replace(meta, chunks=())
+    blind = plan_exchange(offers, {"w": unread}, FILES, SEG, 16 * SEG, 64 * SEG)
+    strip = [dataclasses.replace(u, chunk=None) for u in known.units]
+    assert strip == [dataclasses.replace(u, chunk=None) for u in blind.units]
+    assert (known.rounds, known.buffer_bytes) == (blind.rounds, blind.buffer_bytes)
+    assert {(u.chunk.offsets, u.chunk.lengths, u.chunk.nbytes) for u in blind.units} == {
+        (c.offsets, c.lengths, c.nbytes) for c in meta.chunks
+    }
+    assert all(u.chunk.checksums == ("x",) for u in known.taken(0))
+    # A rank whose plan has a unit it takes part in, but not its chunk, refuses to go on: it
+    # would lack the chunk's checksums.
+    with pytest.raises(AssertionError, match="rank 0 takes part in a unit of 'w'"):
+        blind.taken(0)

@@ -60,8 +60,28 @@ def test_node_loss_peers_elastic_and_storage_fallback(tmp_path: Path) -> None:
     _kill(procs)
     assert unickpt.Checkpointer(root).steps() == [2]  # the second save was persisted
     shutil.rmtree(b)  # node b is lost with its memory
-    results = run_ranks(4, workers.restart, root, dirs, nodes, 32, False)
-    assert results == [(3, "memory"), (3, "memory"), (3, "peer"), (3, "peer")]
+    results = run_ranks(4, workers.restart, root, dirs, nodes, 32, False, False, True)
+    assert [r[:2] for r in results] == [(3, "memory"), (3, "memory"), (3, "peer"), (3, "peer")]
+    # Each rank of node b receives the index files of what it reads only: its own rows' file
+    # and rank 0's (which holds the replicated bias), never rank 1's. Rank 0's data file comes
+    # once to the node (both ranks read it). What moves grows with what a rank loads, not with
+    # the world's size.
+    suffixes = [sorted(n.rsplit("-", 1)[1] for n in r[2]) for r in results]
+    assert suffixes == [
+        [],
+        [],
+        ["00000.bin", "00000.json", "00002.bin", "00002.json"],
+        ["00000.json", "00003.bin", "00003.json"],
+    ]
+    # Into another layout (split by columns) every rank of node b reads part of every file:
+    # it receives every index; each data file comes once to the node, whole, into its folder.
+    shutil.rmtree(b)
+    results = run_ranks(4, workers.restart, root, dirs, nodes, 32, False, True, True)
+    assert [r[:2] for r in results] == [(3, "memory"), (3, "memory"), (3, "peer"), (3, "peer")]
+    indexes = [sorted(n for n in r[2] if n.startswith("index-")) for r in results]
+    assert indexes[:2] == [[], []] and len(indexes[2]) == 4 and indexes[3] == indexes[2]
+    data = sorted(n for r in results for n in r[2] if n.startswith("data-"))
+    assert len(data) == 4 == len(set(data))
     # fewer ranks and nodes: node a's memory (its own files and node b's replicas) reshards
     one = {0: a, 1: a}
     assert run_ranks(2, workers.restart, root, one, {0: "a", 1: "a"}, 32, False) == [

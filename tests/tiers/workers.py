@@ -91,9 +91,10 @@ def restart(
     rows: int,
     close: bool,
     cols: bool = False,
-) -> tuple[int | None, str]:
+    received: bool = False,
+) -> tuple[Any, ...]:
     """Load the newest step into this layout (split by columns with ``cols``), check it
-    exactly; (step, source)."""
+    exactly; (step, source), and with ``received`` the files this rank got from other nodes."""
     node_env(rank, nodes)
     tier = unickpt.MemoryTier(persist_every=100, replicas=2, dir=dirs[rank])
     ckpt = unickpt.Checkpointer(root, keep_last=3, memory=tier)
@@ -105,7 +106,7 @@ def restart(
         check(dest, step, rank, world, rows, cols)
     if close:
         ckpt.close()
-    return step, info.source
+    return (step, info.source, info.peer_files) if received else (step, info.source)
 
 
 def train_until_signalled(rank: int, world: int, root: str, shm: str, ready: str) -> None:

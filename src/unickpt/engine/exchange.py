@@ -80,7 +80,10 @@ def rank_needs(
             continue
         cost = local_read_bytes(item, verify, segment)
         if cost > item.region.numel * item.dest.element_size():
-            needs.append(Need(item.key, item.file, item.chunk.byte_offset, item.region, cost))
+            c = item.chunk
+            needs.append(
+                Need(item.key, item.file, c.byte_offset, item.region, cost, c.box, c.nbytes)
+            )
             needed.append(item)
     if len(needs) * world_size > MAX_GATHERED_NEEDS:
         return RankNeeds(None, "", ()), []
@@ -100,8 +103,9 @@ def run_exchange(
     failed (that rank raises). When a rank cannot create or map the buffers (``/dev/shm`` full
     or not shared after all), every rank stops and reads alone (``shared`` is False)."""
     buffers = _Buffers(plan, comm.rank)
-    mine = [u for u in plan.units if any(p.rank == comm.rank for p in u.parts)]
-    owned = [u for u in plan.units if u.owner == comm.rank]
+    taken = plan.taken(comm.rank)
+    mine = [u for u in taken if any(p.rank == comm.rank for p in u.parts)]
+    owned = [u for u in taken if u.owner == comm.rank]
     totals = [0, 0, 0]
     try:
         with ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-xchg") as pool:

@@ -59,13 +59,7 @@ class SavedChunks:
         """The metadata whose tensors of ``wanted`` (and of earlier calls) hold the chunks that
         overlap the boxes asked for, each tensor checked to be tiled by its chunks; ``files``
         numbers the files of every index read so far."""
-        for key in wanted:
-            if key not in self.meta.tensors:
-                raise KeyError(f"'{key}' is not a tensor of the checkpoint")
-        need: set[int] = set(range(len(self.meta.file_refs))) if not self._map else set()
-        for key, boxes in wanted.items():
-            need |= self._files_for(key, boxes)
-        new = sorted(need - self.files_read)
+        new = sorted(self.files_for(wanted) - self.files_read)
         listed = self._read(new)
         changed = self._touched(new) | (listed & set(self._built))
         for key, boxes in wanted.items():
@@ -77,6 +71,17 @@ class SavedChunks:
             self._built[key] = self._build(key)
         tensors = {k: self._built.get(k, t) for k, t in self.meta.tensors.items()}
         return replace(self.meta, tensors=tensors, files=self.table.names())
+
+    def files_for(self, wanted: Mapping[str, Sequence[Box]]) -> set[int]:
+        """The numbers of the files whose indexes :meth:`load` reads for ``wanted`` (those
+        listing a chunk that overlaps a box asked for; every file without a chunk map)."""
+        for key in wanted:
+            if key not in self.meta.tensors:
+                raise KeyError(f"'{key}' is not a tensor of the checkpoint")
+        need: set[int] = set(range(len(self.meta.file_refs))) if not self._map else set()
+        for key, boxes in wanted.items():
+            need |= self._files_for(key, boxes)
+        return need
 
     def _touched(self, new: list[int]) -> set[str]:
         """Tensors already built that the indexes just read list chunks of, or should."""

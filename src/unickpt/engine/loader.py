@@ -123,14 +123,14 @@ def load(
         # within the load's own step (one gather fewer); a failure there is gathered at its end.
 
         def share() -> tuple[None, None]:
-            plan.sharing = _plan_sharing(storage, plan, offers, config)
+            plan.sharing = _plan_sharing(storage, plan, offers, config, comm.rank)
             return None, None
 
         run_step(comm, "planning the load", share)
 
     def place() -> tuple[LoadReport | None, None]:
         if sharing and storage.maps_files:
-            plan.sharing = _plan_sharing(storage, plan, offers, config)
+            plan.sharing = _plan_sharing(storage, plan, offers, config, comm.rank)
         with torch.no_grad():
             shared = _exchange(comm, storage, plan, config)
             if shared is None:
@@ -173,37 +173,18 @@ def _unit_bytes(storage: Storage, config: Config, segment: int) -> int:
 
 
 def _plan_sharing(
-    storage: Storage, plan: _Plan, offers: list[RankNeeds | None], config: Config
+    storage: Storage, plan: _Plan, offers: list[RankNeeds | None], config: Config, rank: int
 ) -> ExchangePlan:
-    """The exchange plan of every host group, from every rank's needs (the same on every rank).
-    The chunks other ranks need parts of that this rank has not read yet are read from their
-    indexes first."""
-    if plan.chunks is not None:
-        asked = _others_chunks(plan.meta, offers)
-        if asked:
-            plan.meta = plan.chunks.load(asked)
+    """The exchange plan of every host group, from every rank's needs (the same on every rank;
+    the chunks only other ranks need are planned from the geometry their needs carry, so no
+    rank reads another rank's indexes)."""
     seg = plan.meta.segment_bytes
     unit = _unit_bytes(storage, config, seg)
-    return plan_exchange(
+    planned = plan_exchange(
         offers, plan.meta.tensors, plan.meta.files, seg, unit, unit * config.io_threads
     )
-
-
-def _others_chunks(meta: Metadata, offers: list[RankNeeds | None]) -> dict[str, list[Box]]:
-    """The regions of every tensor in which some rank needs a chunk this rank has not read
-    from its index yet (none when every rank needs parts of the chunks this rank needs parts
-    of, as in a load into another layout on one host)."""
-    known: dict[str, set[tuple[str, int]]] = {}
-    asked: dict[str, list[Box]] = {}
-    for offer in offers:
-        for need in offer.needs if offer is not None else ():
-            have = known.get(need.key)
-            if have is None:
-                chunks = meta.tensors[need.key].chunks
-                have = known[need.key] = {(meta.files[c.file], c.byte_offset) for c in chunks}
-            if (need.file, need.byte_offset) not in have:
-                asked.setdefault(need.key, []).append(need.region)
-    return asked
+    planned.taken(rank)  # raises here, within a step, should this rank lack a chunk it needs
+    return planned
 
 
 def _exchange(comm: Comm, storage: Storage, plan: _Plan, config: Config) -> _Shared | None:
@@ -328,6 +309,30 @@ def _set_values(plan: _Plan, comm: Comm, allow_pickle: bool) -> None:
                 "on_world_change='error') refuses such a load).",
                 stacklevel=6,
             )
+
+
+class RankReads:
+    """The reads a load of ``state`` makes on this rank, planned from a checkpoint's metadata
+    and only the indexes they need: :meth:`index_files` names those, :meth:`plan` reads them
+    (from a storage that may serve them from elsewhere) and plans the reads."""
+
+    def __init__(self, storage: Storage, state: dict[str, Any]) -> None:
+        _, meta = read_metadata(storage)
+        flat = flatten_state(state, for_load=True)
+        found = match_keys(meta, flat, strict=False)  # mismatches are the load's to report
+        self._plan = _Plan(meta, flat, found, SavedKeys.of(meta), SavedChunks(storage, meta))
+        self._wanted = _wanted(self._plan)
+
+    def index_files(self) -> list[str]:
+        """The index files the reads are planned from."""
+        assert self._plan.chunks is not None
+        files = self._plan.chunks.files_for(self._wanted)
+        return sorted(self._plan.meta.file_refs[i].index for i in files)
+
+    def plan(self, storage: Storage) -> list[ReadItem]:
+        """The reads, with their chunks from the index files of ``storage``."""
+        self._plan.meta = SavedChunks(storage, self._plan.meta).load(self._wanted)
+        return _plan_all_reads(self._plan, checked=True)
 
 
 def reads_needed(meta: Metadata, state: dict[str, Any]) -> list[ReadItem]:

@@ -50,7 +50,7 @@ def run_mapped_exchange(
     """Fill this rank's exchanged items (``needed[i]`` for need ``i``); no collective."""
     tasks: list[Callable[[], tuple[int, int, int]]] = []
     scratch = Scratch()
-    mine = [u for u in plan.units if u.owner == rank or any(p.rank == rank for p in u.parts)]
+    mine = plan.taken(rank)
     maps = FileMaps(storage, ((u.file, u.chunk.byte_offset + u.lo, u.hi - u.lo) for u in mine))
     for u in sorted(mine, key=lambda u: (u.file, u.chunk.byte_offset + u.lo)):
         if u.owner == rank:

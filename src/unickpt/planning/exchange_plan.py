@@ -7,8 +7,9 @@ hash the same segments. Instead the chunk is cut into *units* (segment-aligned b
 at most ``unit_bytes``); one rank, the *owner*, reads and verifies each unit once into a host
 shared-memory buffer, and every rank copies its parts out of it.
 
-The plan is a pure function of what every rank reported (its host group and the read items it
-would amplify), so every rank computes the same plan without another exchange.
+The plan is a pure function of what every rank reported (its host group, the read items it
+would amplify and the geometry of their chunks), so every rank computes the same plan without
+another exchange, and without reading the indexes of chunks only other ranks need.
 """
 
 from __future__ import annotations
@@ -26,13 +27,18 @@ _ALIGN = 64
 
 @dataclass(frozen=True)
 class Need:
-    """A part of a saved chunk that one rank needs, and what reading it alone would cost."""
+    """A part of a saved chunk that one rank needs, and what reading it alone would cost.
+
+    The chunk's box and size travel with it, so that a rank plans the units of chunks it does
+    not read itself without reading their indexes (the plan needs only their geometry)."""
 
     key: str
     file: str
     byte_offset: int
     region: Box
     local_bytes: int
+    chunk_box: Box
+    chunk_nbytes: int
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,19 @@ class ExchangePlan:
     buffer_bytes: dict[int, int]
     tokens: dict[int, str]
 
+    def taken(self, rank: int) -> list[Unit]:
+        """The units ``rank`` reads or copies parts of. Raises if this rank planned one of them
+        from a need's geometry alone: it then lacks the chunk's checksums, which only a bug could
+        cause (a rank that takes part in a unit needs its chunk, so has read its index)."""
+        mine = [u for u in self.units if u.owner == rank or any(p.rank == rank for p in u.parts)]
+        for u in mine:
+            if u.chunk.file < 0:
+                raise AssertionError(
+                    f"rank {rank} takes part in a unit of '{u.key}' in {u.file} without having "
+                    "read the chunk's index"
+                )
+        return mine
+
     def exchanged(self, rank: int) -> frozenset[int]:
         """Indices of ``rank``'s needs that the exchange fills."""
         return frozenset(p.need for u in self.units for p in u.parts if p.rank == rank)
@@ -96,11 +115,11 @@ def plan_exchange(
     load: dict[int, int] = {}
     cuts: dict[tuple[object, ...], list[tuple[int, int, tuple[tuple[int, Box], ...]]]] = {}
     for ranks in _groups(offers).values():
-        for (key, file, offset), needs in sorted(_by_chunk(offers, ranks).items()):
+        for (key, file, _), needs in sorted(_by_chunk(offers, ranks).items()):
             if len({r for r, _, _ in needs}) < 2:
                 continue
             meta = tensors[key]
-            chunk = _chunk(meta, files, file, offset)
+            chunk = _chunk(meta, files, needs[0][2])
             size = itemsize(dtype_from_name(meta.dtype))
             # Chunks of tensors split alike, needed alike (every layer's), are cut alike.
             same = (chunk.lengths, chunk.offsets, chunk.nbytes, size)
@@ -138,11 +157,16 @@ def _by_chunk(
     return out
 
 
-def _chunk(meta: TensorMeta, files: Sequence[str], file: str, offset: int) -> ChunkMeta:
+def _chunk(meta: TensorMeta, files: Sequence[str], need: Need) -> ChunkMeta:
+    """The need's chunk as this rank's metadata has it (with its checksums: every rank that
+    reads or copies a unit needs its chunk, so has read its index), else its geometry alone:
+    this rank plans that chunk's units but takes no part in them (its file number is then -1,
+    as this rank may not number the file; units name their file)."""
     for chunk in meta.chunks:
-        if chunk.byte_offset == offset and files[chunk.file] == file:
+        if chunk.byte_offset == need.byte_offset and files[chunk.file] == need.file:
             return chunk
-    raise AssertionError(f"no chunk at {file}:{offset}")
+    box = need.chunk_box
+    return ChunkMeta(box.offsets, box.lengths, -1, need.byte_offset, need.chunk_nbytes)
 
 
 def flat_span(chunk: ChunkMeta, box: Box) -> tuple[int, int]:

@@ -137,6 +137,28 @@ class TierGroup:
         if arrived is not None:
             arrived(t.path, t.nbytes)
 
+    def pass_files(self, folder: Path, passes: list[Pass]) -> dict[str, bytes]:
+        """Small files of ``folder`` (on each sender's node), whole, rank to rank into memory:
+        every rank walks the same list and sends or receives its part, in order (the argument
+        of :meth:`exchange`: nothing deadlocks). Returns the files this rank received. A file
+        its sender cannot read whole goes as zeros (or cut to its expected size), so that the
+        receiver's checksum refuses it instead of a transfer failing halfway."""
+        got: dict[str, bytes] = {}
+        with self._lost("index file transfer"):
+            for tag, p in enumerate(passes):
+                if p.nbytes == 0 or self.rank not in (p.sender, p.receiver):
+                    continue
+                buf = torch.zeros(p.nbytes, dtype=torch.uint8)
+                if self.rank == p.sender:
+                    with contextlib.suppress(OSError):
+                        data = (folder / p.name).read_bytes()[: p.nbytes]
+                        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                    dist.send(buf, self.ranks[p.receiver], self._pg, tag=tag)
+                else:
+                    dist.recv(buf, self.ranks[p.sender], self._pg, tag=tag)
+                    got[p.name] = buf.numpy().tobytes()
+        return got
+
     @contextlib.contextmanager
     def _lost(self, what: str) -> Iterator[None]:
         try:
@@ -161,6 +183,16 @@ class Transfer:
     tag: int
     send: bool
     ranges: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Pass:
+    """File ``name`` (``nbytes``) going whole from group rank ``sender`` to ``receiver``."""
+
+    sender: int
+    receiver: int
+    name: str
+    nbytes: int
 
 
 @contextlib.contextmanager

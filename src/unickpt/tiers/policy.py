@@ -45,11 +45,13 @@ log = logging.getLogger(__name__)
 class RestoreInfo:
     """Where this rank's last ``load_latest`` came from, and how long it took until the state
     held the values. ``source`` is "memory", "peer" or "storage" ("none" when nothing was
-    found)."""
+    found). ``peer_files``: the index and data files this rank received from other nodes (a
+    data file's chunks received straight into the state count as that file), sorted."""
 
     step: int | None
     source: str
     seconds: float
+    peer_files: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -240,7 +242,9 @@ class TierPolicy:
                     fetching.finish()  # the transfers' failure first, else the load's
                 self.newest = fetching.committed
                 source = "peer" if fetching.fetched else "memory"
-                return choice.step, RestoreInfo(choice.step, source, time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                info = RestoreInfo(choice.step, source, seconds, fetching.received)
+                return choice.step, info
             except (CheckpointCorruptError, CheckpointNotFoundError) as e:
                 warnings.warn(
                     f"memory checkpoint of step {choice.step} cannot be loaded ({e}); loading "

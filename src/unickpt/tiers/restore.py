@@ -4,9 +4,11 @@
    coordinator adds the storage's newest committed step; all ranks gather the same picture.
 2. The newest memory step whose data files are all present on some surviving node wins, when it
    is at least as new as storage's; every rank computes the same answer.
-3. One gather brings its commit to the nodes that lack it (healing) and to every rank the index
-   files its node lacks (small, kept in memory: a node folder's index file always means its
-   data is whole).
+3. A broadcast brings its commit to every rank (written by the leaders of the nodes that lack
+   it: healing). Each rank finds, from the metadata's chunk map, the index files its load reads
+   that its node lacks, and gets those alone, each from a rank of a node that holds it (kept in
+   memory: a node folder's index file always means its data is whole). What moves grows with
+   what each rank loads, not with the world's size.
 4. Each rank plans its load (resharding included) and names the data files it reads that its
    node lacks; each such file is sent once per node, rank to rank. When every read of it is a
    whole chunk into the state and only the receiving rank reads it (a restart into the layout
@@ -19,8 +21,8 @@
    own (:class:`Fetch`): a restore from a peer then takes about the transfer plus the
    verification of its last piece.
 
-Peak extra memory: the gathered index files, and a scratch piece for runs of small chunks;
-whole fetched files land in the node folder.
+Peak extra memory: the commit and metadata, the index files this rank's load reads that its node
+lacks, and a scratch piece for runs of small chunks; whole fetched files land in the node folder.
 """
 
 from __future__ import annotations
@@ -34,15 +36,14 @@ from typing import Any
 
 import torch
 
-from ..engine.commit import read_checkpoint
-from ..engine.loader import reads_needed
+from ..engine.loader import RankReads
 from ..engine.read import is_direct
 from ..format.dtypes import byte_view
 from ..format.metadata import COMMIT_FILE
 from ..planning.load_plan import ReadItem
 from ..storage.base import Storage, WriteHandle
 from .direct import Targets
-from .group import Arrivals, TierGroup, Transfer
+from .group import Arrivals, Pass, TierGroup, Transfer
 from .memory import Holding, MemoryStore, index_of
 from .nodes import Nodes
 from .replicate import Committed, read_committed, write_commit
@@ -117,10 +118,12 @@ class Fetch:
         transfers: list[Transfer],
         alongside: bool,
         fetched: bool,
+        received: tuple[str, ...] = (),
         targets: Targets | None = None,
     ) -> None:
         self.committed = committed
-        self.fetched = fetched
+        self.fetched = fetched  # this rank reads files its node lacks
+        self.received = received  # the files this rank receives from other nodes
         self._group = group
         self._folder = folder
         self._indexes = indexes
@@ -172,19 +175,24 @@ def fetch(
     group: TierGroup, nodes: Nodes, store: MemoryStore, choice: Choice, state: dict[str, Any]
 ) -> Fetch:
     """Start bringing what this rank's load needs into its node folder (:class:`Fetch`)."""
-    committed, indexes = _commit_and_indexes(group, nodes, store, choice)
+    committed = _commit(group, nodes, store, choice)
     here = nodes.node
+    extra: dict[str, bytes] = {}
     if here not in choice.commit_nodes:  # served from memory until the leader has written it
-        indexes[COMMIT_FILE] = committed.commit_raw
-        indexes[committed.metadata_file] = committed.metadata_raw
+        extra[COMMIT_FILE] = committed.commit_raw
+        extra[committed.metadata_file] = committed.metadata_raw
         if nodes.is_leader:
             write_commit(store, committed)
     folder = store.step(choice.step)
     path = store.step_path(choice.step)
+    lacking = {r.index for r in committed.refs if here not in choice.holders[r.data]}
+    planner = RankReads(WithIndexes(folder, extra, path), state) if lacking else None
+    asked = sorted(set(planner.index_files()) & lacking) if planner is not None else []
+    fetched_indexes = _fetch_indexes(group, nodes, store, choice, committed, asked)
+    extra.update(fetched_indexes)
     missing: dict[str, list[ReadItem]] = {}
-    if any(here not in holders for holders in choice.holders.values()):  # else none can be
-        _, meta = read_checkpoint(WithIndexes(folder, indexes, path))
-        for r in reads_needed(meta, state):
+    if planner is not None:  # else this node holds every file
+        for r in planner.plan(WithIndexes(folder, extra, path)):
             if here not in choice.holders[r.file]:
                 missing.setdefault(r.file, []).append(r)
     wanted = group.all_gather([(f, _ranges(reads)) for f, reads in sorted(missing.items())])
@@ -194,8 +202,11 @@ def fetch(
     if alongside:
         ranged = {t.path.name for t in transfers if t.ranges and not t.send}
         targets = Targets({path / f: _destinations(missing[f]) for f in ranged})
+    received = tuple(sorted([*fetched_indexes, *(t.path.name for t in transfers if not t.send)]))
     fetched = bool(missing)
-    return Fetch(group, folder, path, committed, indexes, transfers, alongside, fetched, targets)
+    return Fetch(
+        group, folder, path, committed, extra, transfers, alongside, fetched, received, targets
+    )
 
 
 def _ranges(reads: list[ReadItem]) -> tuple[tuple[int, int], ...]:
@@ -213,28 +224,39 @@ def _destinations(reads: list[ReadItem]) -> list[tuple[int, torch.Tensor]]:
     return [(r.chunk.byte_offset, byte_view(r.dest).reshape(-1)) for r in reads]
 
 
-def _commit_and_indexes(
-    group: TierGroup, nodes: Nodes, store: MemoryStore, choice: Choice
-) -> tuple[Committed, dict[str, bytes]]:
-    """The step's commit, from the first node that holds it, and the index files this node
-    lacks, from the first node that holds each: one gather."""
+def _commit(group: TierGroup, nodes: Nodes, store: MemoryStore, choice: Choice) -> Committed:
+    """The step's commit, from the first node that holds it, on every rank."""
     source = nodes.leader(choice.commit_nodes[0])
-    folder = store.step_path(choice.step)
     mine = read_committed(store, choice.step) if group.rank == source else None
-    offered: dict[str, bytes] = {}
-    for data, holders in choice.holders.items():
-        if len(holders) < nodes.count and group.rank == nodes.leader(holders[0]):
-            offered[index_of(data)] = (folder / index_of(data)).read_bytes()
-    gathered = group.all_gather((mine, offered))
-    committed = gathered[source][0]
+    committed = group.broadcast(mine, src=source)
     assert committed is not None
-    everything: dict[str, bytes] = {}
-    for _, part in gathered:
-        everything.update(part)
-    here = nodes.node
-    return committed, {
-        r.index: everything[r.index] for r in committed.refs if here not in choice.holders[r.data]
-    }
+    return committed
+
+
+def _fetch_indexes(
+    group: TierGroup,
+    nodes: Nodes,
+    store: MemoryStore,
+    choice: Choice,
+    committed: Committed,
+    asked: list[str],
+) -> dict[str, bytes]:
+    """The index files in ``asked`` (those this rank's load reads that its node lacks), each
+    sent by a rank of the first node holding it (spread over that node's ranks); this rank
+    sends those others asked it for. Each rank receives only what it asked for, so what moves
+    grows with what each rank loads, not with the world's size. None move when every node
+    holds every file (then no rank asks, and none is asked)."""
+    if all(len(h) == nodes.count for h in choice.holders.values()):
+        return {}
+    requests = group.all_gather(asked)
+    refs = {r.index: r for r in committed.refs}
+    passes: list[Pass] = []
+    for rank, names in enumerate(requests):
+        for name in names:
+            ref = refs[name]
+            holder = nodes.members[choice.holders[ref.data][0]]
+            passes.append(Pass(holder[len(passes) % len(holder)], rank, name, ref.index_nbytes))
+    return group.pass_files(store.step_path(choice.step), passes)
 
 
 def _shared_fetches(nodes: Nodes, wanted: list[list[tuple[str, Ranges]]]) -> bool:

@@ -10,7 +10,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -250,7 +250,19 @@ def _lines(failed: list[RankFailure]) -> str:
     return "\n".join(lines)
 
 
-def run_step(comm: Comm, step: str, fn: Callable[[], tuple[L, S]]) -> tuple[L, list[S]]:
+class Gathering(Protocol):
+    """What :func:`run_step` needs of a group: this rank, its size, an object all-gather."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_gather(self, obj: T) -> list[T]: ...
+
+
+def run_step(comm: Gathering, step: str, fn: Callable[[], tuple[L, S]]) -> tuple[L, list[S]]:
     """Run ``fn`` on every rank and all-gather its payload; raise everywhere if any rank failed.
 
     Returns this rank's result and the list of all ranks' results (``fn`` returns what the
@@ -270,7 +282,7 @@ def run_step(comm: Comm, step: str, fn: Callable[[], tuple[L, S]]) -> tuple[L, l
 
 
 def raise_failures(
-    comm: Comm, step: str, failures: list[RankFailure | None], caught: BaseException | None
+    comm: Gathering, step: str, failures: list[RankFailure | None], caught: BaseException | None
 ) -> None:
     """Raise one error on every rank when any rank failed; keep the error's class when shared."""
     failed = [f for f in failures if f is not None]

@@ -62,6 +62,12 @@ def test_a_quantized_table_loads_decoded(tmp_path: Path, bits: int, dtype: torch
     with CheckpointReader(tmp_path / "q") as reader:  # tools read decoded values
         rows = reader.read_tensor("model.emb.weight", box=Box((10, 4), (5, 7)))
         assert torch.equal(rows, _decoded(table, bits)[10:15, 4:11])
+    # Column blocks of the decoded table, also past the stored width (8 + 12 bytes at 4 bits):
+    # each needs its rows whole from the stored table.
+    for first in (0, 8, 16, 20):
+        block = ShardedTensor(torch.zeros(1000, 4, dtype=dtype), (1000, 24), (0, first))
+        unickpt.load(tmp_path / "q", {"model.emb.weight": block}, strict=False)
+        assert torch.equal(block.local, _decoded(table, bits)[:, first : first + 4]), first
 
 
 def test_metadata_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unickpt import CheckpointMismatchError
+from unickpt import CheckpointCorruptError, CheckpointMismatchError
 from unickpt.bench.restore_plan import restore_figures
 from unickpt.format.metadata import ChunkMeta, TensorMeta
 from unickpt.layouts.boxes import Box
@@ -128,6 +128,13 @@ def test_index_looks_only_at_overlapping_chunks() -> None:
     dest = torch.empty(10, 8)
     items = plan_reads("w", meta, ("f",), [(Box((4995, 0), (10, 8)), dest)], index)
     assert [i.region for i in items] == [Box((4995, 0), (5, 8)), Box((5000, 0), (5, 8))]
+    # Chunks that leave part of a piece unheld (here the index knows only the first) are
+    # refused: the rest would stay unread, holding whatever the destination held.
+    partial = ChunkIndex(chunks[499:500])
+    with pytest.raises(
+        CheckpointCorruptError, match=r"'w': the saved chunks found hold 40 of the 80"
+    ):
+        plan_reads("w", meta, ("f",), [(Box((4995, 0), (10, 8)), dest)], partial)
 
 
 def test_simulation_reports_costs() -> None:

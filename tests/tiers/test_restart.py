@@ -88,6 +88,15 @@ def test_node_loss_peers_elastic_and_storage_fallback(tmp_path: Path) -> None:
         (3, "memory"),
         (3, "memory"),
     ]
+    # Node b lost again, and node a's copy of rank 3's index damaged: the rank that receives
+    # it refuses it, and every rank falls back to storage together (none waits for the others).
+    shutil.rmtree(b)
+    (index,) = Path(a).rglob("step-000000003/index-*-00003.json")
+    raw = bytearray(index.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    index.write_bytes(bytes(raw))
+    results = run_ranks(4, workers.restart, root, dirs, nodes, 32, False)
+    assert results == [(2, "storage")] * 4
     shutil.rmtree(a)
     shutil.rmtree(b, ignore_errors=True)  # both copies lost: storage's newest
     results = run_ranks(4, workers.restart, root, dirs, nodes, 32, False)

@@ -55,10 +55,16 @@ def plan_encoded_reads(
     stored_pieces, decodes = [], []
     for box, dest in pieces:
         buffer = torch.empty((box.lengths[0], width), dtype=torch.uint8)
-        stored_pieces.append((Box((box.offsets[0], 0), (box.lengths[0], width)), buffer))
+        stored_pieces.append((stored_rows(meta, box), buffer))
         decodes.append(DecodeItem(buffer, encoding.bits, encoding.shape[1], dest, box.offsets[1]))
     reads = plan_reads(key, meta, files, stored_pieces, index or ChunkIndex(meta.chunks))
     return EncodedReads(reads, decodes, stored_pieces)
+
+
+def stored_rows(meta: TensorMeta, box: Box) -> Box:
+    """The stored box that a box of the decoded table needs: its rows, whole (every stored
+    column: a row's scale and minimum, then its packed values)."""
+    return Box((box.offsets[0], 0), (box.lengths[0], meta.shape[1]))
 
 
 def _checked(key: str, meta: TensorMeta) -> Encoding:

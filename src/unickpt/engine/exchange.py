@@ -103,7 +103,7 @@ def run_exchange(
     failed (that rank raises). When a rank cannot create or map the buffers (``/dev/shm`` full
     or not shared after all), every rank stops and reads alone (``shared`` is False)."""
     buffers = _Buffers(plan, comm.rank)
-    taken = plan.taken(comm.rank)
+    taken = plan.taken(comm.rank)  # cannot raise here: the load's planning step checked it
     mine = [u for u in taken if any(p.rank == comm.rank for p in u.parts)]
     owned = [u for u in taken if u.owner == comm.rank]
     totals = [0, 0, 0]

@@ -11,7 +11,7 @@ import torch
 
 from ..config import Config
 from ..dist import Comm, run_step
-from ..encoding.reading import DecodeItem, plan_encoded_reads
+from ..encoding.reading import DecodeItem, plan_encoded_reads, stored_rows
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsafeObjectError
 from ..format.metadata import Metadata
 from ..format.values import decode_value
@@ -237,8 +237,9 @@ def _span(ranks: list[int]) -> str:
 
 
 def _wanted(plan: _Plan) -> dict[str, list[Box]]:
-    """The boxes of each saved tensor this rank reads (none where the state matched the key
-    but a different shape skips it: its chunks are still checked)."""
+    """The boxes of each saved tensor this rank reads, in stored coordinates (an encoded
+    table's rows whole); none where the state matched the key but a different shape skips it:
+    its chunks are still checked."""
     skipped = set(plan.match.differ)
     wanted: dict[str, list[Box]] = {}
     for key, leaf in plan.flat.tensors.items():
@@ -246,7 +247,11 @@ def _wanted(plan: _Plan) -> dict[str, list[Box]]:
         if stored is not None:
             boxes = wanted.setdefault(stored, [])
             if key not in skipped:
-                boxes.extend(box for box, _ in leaf.pieces)
+                saved = plan.meta.tensors[stored]
+                if saved.encoding is None:
+                    boxes.extend(box for box, _ in leaf.pieces)
+                else:
+                    boxes.extend(stored_rows(saved, box) for box, _ in leaf.pieces)
     return wanted
 
 

@@ -131,13 +131,24 @@ def plan_reads(
     pieces: list[tuple[Box, torch.Tensor]],
     index: ChunkIndex | None = None,
 ) -> list[ReadItem]:
-    """Read items that fill every destination piece of one tensor."""
+    """Read items that fill every destination piece of one tensor. The chunks were checked to
+    tile the tensor (disjoint, every element once), so the overlaps of a piece fill it exactly
+    when their elements add up to its own; anything less is refused, never left unread."""
     index = index or ChunkIndex(meta.chunks)
     items = []
     for box, view in pieces:
+        covered = 0
         for chunk, overlap in index.overlapping(box):
             dest = view[overlap.relative_to(box)] if box.ndim else view
             items.append(ReadItem(key, files[chunk.file], chunk, overlap, dest))
+            covered += overlap.numel
+        if covered != box.numel:
+            raise CheckpointCorruptError(
+                f"'{key}': the saved chunks found hold {covered} of the {box.numel} elements "
+                f"of the box at {list(box.offsets)} of lengths {list(box.lengths)} this rank "
+                "loads; the checkpoint's indexes or chunk map do not describe its data. Load "
+                "an earlier checkpoint."
+            )
     return items
 
 

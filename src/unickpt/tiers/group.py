@@ -61,6 +61,10 @@ class TierGroup:
     def size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
     def all_gather(self, obj: T) -> list[T]:
         if self._pg is None:
             return [obj]
@@ -146,13 +150,18 @@ class TierGroup:
         got: dict[str, bytes] = {}
         with self._lost("index file transfer"):
             for tag, p in enumerate(passes):
-                if p.nbytes == 0 or self.rank not in (p.sender, p.receiver):
+                if self.rank not in (p.sender, p.receiver):
+                    continue
+                if p.nbytes == 0:  # nothing to send
+                    if self.rank == p.receiver:
+                        got[p.name] = b""
                     continue
                 buf = torch.zeros(p.nbytes, dtype=torch.uint8)
                 if self.rank == p.sender:
                     with contextlib.suppress(OSError):
                         data = (folder / p.name).read_bytes()[: p.nbytes]
-                        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                        if data:
+                            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                     dist.send(buf, self.ranks[p.receiver], self._pg, tag=tag)
                 else:
                     dist.recv(buf, self.ranks[p.sender], self._pg, tag=tag)

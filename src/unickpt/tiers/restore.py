@@ -36,8 +36,10 @@ from typing import Any
 
 import torch
 
+from ..dist import run_step
 from ..engine.loader import RankReads
 from ..engine.read import is_direct
+from ..errors import CheckpointCorruptError
 from ..format.dtypes import byte_view
 from ..format.metadata import COMMIT_FILE
 from ..planning.load_plan import ReadItem
@@ -49,6 +51,7 @@ from .nodes import Nodes
 from .replicate import Committed, read_committed, write_commit
 
 Ranges = tuple[tuple[int, int], ...]
+_PLANNING = "planning the restore from memory"
 
 
 @dataclass(frozen=True)
@@ -174,38 +177,54 @@ class Fetch:
 def fetch(
     group: TierGroup, nodes: Nodes, store: MemoryStore, choice: Choice, state: dict[str, Any]
 ) -> Fetch:
-    """Start bringing what this rank's load needs into its node folder (:class:`Fetch`)."""
+    """Start bringing what this rank's load needs into its node folder (:class:`Fetch`). A
+    failure on any rank while planning raises on every rank (a damaged file as
+    :class:`CheckpointCorruptError`, so that every rank falls back to storage together)."""
     committed = _commit(group, nodes, store, choice)
     here = nodes.node
+    folder = store.step(choice.step)
+    path = store.step_path(choice.step)
     extra: dict[str, bytes] = {}
     if here not in choice.commit_nodes:  # served from memory until the leader has written it
         extra[COMMIT_FILE] = committed.commit_raw
         extra[committed.metadata_file] = committed.metadata_raw
-        if nodes.is_leader:
-            write_commit(store, committed)
-    folder = store.step(choice.step)
-    path = store.step_path(choice.step)
     lacking = {r.index for r in committed.refs if here not in choice.holders[r.data]}
-    planner = RankReads(WithIndexes(folder, extra, path), state) if lacking else None
-    asked = sorted(set(planner.index_files()) & lacking) if planner is not None else []
-    fetched_indexes = _fetch_indexes(group, nodes, store, choice, committed, asked)
-    extra.update(fetched_indexes)
-    missing: dict[str, list[ReadItem]] = {}
-    if planner is not None:  # else this node holds every file
-        for r in planner.plan(WithIndexes(folder, extra, path)):
-            if here not in choice.holders[r.file]:
-                missing.setdefault(r.file, []).append(r)
-    wanted = group.all_gather([(f, _ranges(reads)) for f, reads in sorted(missing.items())])
+
+    def ask() -> tuple[RankReads | None, list[str]]:
+        if here not in choice.commit_nodes and nodes.is_leader:
+            write_commit(store, committed)
+        if not lacking:
+            return None, []
+        reads = RankReads(WithIndexes(folder, extra, path), state)
+        return reads, sorted(set(reads.index_files()) & lacking)
+
+    planner: RankReads | None = None
+    requests: list[list[str]] = []
+    everywhere = len(choice.commit_nodes) == nodes.count
+    if not everywhere or any(len(h) < nodes.count for h in choice.holders.values()):
+        planner, requests = run_step(group, _PLANNING, ask)  # else nothing to plan or ask
+    received = _pass_indexes(group, nodes, store, choice, committed, requests)
+    extra.update(received)
+
+    def want() -> tuple[dict[str, list[ReadItem]], list[tuple[str, Ranges]]]:
+        missing: dict[str, list[ReadItem]] = {}
+        if planner is not None:  # else this node holds every file
+            for r in planner.plan(WithIndexes(folder, extra, path)):
+                if here not in choice.holders[r.file]:
+                    missing.setdefault(r.file, []).append(r)
+        return missing, [(f, _ranges(reads)) for f, reads in sorted(missing.items())]
+
+    missing, wanted = run_step(group, _PLANNING, want)
     alongside = not _shared_fetches(nodes, wanted)
     transfers = _transfers(nodes, store, choice, committed, wanted, alongside)
     targets = None
     if alongside:
         ranged = {t.path.name for t in transfers if t.ranges and not t.send}
         targets = Targets({path / f: _destinations(missing[f]) for f in ranged})
-    received = tuple(sorted([*fetched_indexes, *(t.path.name for t in transfers if not t.send)]))
+    files = tuple(sorted([*received, *(t.path.name for t in transfers if not t.send)]))
     fetched = bool(missing)
     return Fetch(
-        group, folder, path, committed, extra, transfers, alongside, fetched, received, targets
+        group, folder, path, committed, extra, transfers, alongside, fetched, files, targets
     )
 
 
@@ -225,30 +244,36 @@ def _destinations(reads: list[ReadItem]) -> list[tuple[int, torch.Tensor]]:
 
 
 def _commit(group: TierGroup, nodes: Nodes, store: MemoryStore, choice: Choice) -> Committed:
-    """The step's commit, from the first node that holds it, on every rank."""
+    """The step's commit, from the first node that holds it, on every rank (or, when that
+    node cannot read it, the same CheckpointCorruptError on every rank)."""
     source = nodes.leader(choice.commit_nodes[0])
-    mine = read_committed(store, choice.step) if group.rank == source else None
-    committed = group.broadcast(mine, src=source)
-    assert committed is not None
-    return committed
+    mine: Committed | str | None = None
+    if group.rank == source:
+        try:
+            mine = read_committed(store, choice.step)
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below
+            mine = f"{type(e).__name__}: {e}"
+    found = group.broadcast(mine, src=source)
+    if not isinstance(found, Committed):
+        raise CheckpointCorruptError(
+            f"{_PLANNING} failed: rank {source} could not read the commit of memory step "
+            f"{choice.step} ({found})"
+        )
+    return found
 
 
-def _fetch_indexes(
+def _pass_indexes(
     group: TierGroup,
     nodes: Nodes,
     store: MemoryStore,
     choice: Choice,
     committed: Committed,
-    asked: list[str],
+    requests: list[list[str]],
 ) -> dict[str, bytes]:
-    """The index files in ``asked`` (those this rank's load reads that its node lacks), each
-    sent by a rank of the first node holding it (spread over that node's ranks); this rank
-    sends those others asked it for. Each rank receives only what it asked for, so what moves
-    grows with what each rank loads, not with the world's size. None move when every node
-    holds every file (then no rank asks, and none is asked)."""
-    if all(len(h) == nodes.count for h in choice.holders.values()):
-        return {}
-    requests = group.all_gather(asked)
+    """The index files this rank asked for (``requests[rank]``: those its load reads that its
+    node lacks), each sent by a rank of the first node holding it (spread over that node's
+    ranks); this rank sends those others asked it for. Each rank receives only what it asked
+    for, so what moves grows with what each rank loads, not with the world's size."""
     refs = {r.index: r for r in committed.refs}
     passes: list[Pass] = []
     for rank, names in enumerate(requests):
@@ -256,7 +281,7 @@ def _fetch_indexes(
             ref = refs[name]
             holder = nodes.members[choice.holders[ref.data][0]]
             passes.append(Pass(holder[len(passes) % len(holder)], rank, name, ref.index_nbytes))
-    return group.pass_files(store.step_path(choice.step), passes)
+    return group.pass_files(store.step_path(choice.step), passes) if passes else {}
 
 
 def _shared_fetches(nodes: Nodes, wanted: list[list[tuple[str, Ranges]]]) -> bool:
@@ -310,9 +335,10 @@ def _transfers(
 
 
 class WithIndexes(Storage):
-    """A node's step folder (at ``path``) with the index files (and commit) it lacks served
-    from memory; reads of a file still arriving wait for their bytes (``arrivals``), and those
-    of a file received into the state (``targets``) are served from there."""
+    """A node's step folder (at ``path``) with the index files (and commit) it lacks that this
+    rank reads served from memory; reads of a file still arriving wait for their bytes
+    (``arrivals``), and those of a file received into the state (``targets``) are served from
+    there."""
 
     def __init__(
         self,

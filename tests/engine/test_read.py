@@ -13,8 +13,7 @@ import torch
 
 import unickpt
 from unickpt.config import MiB, get_config
-from unickpt.engine.commit import read_checkpoint
-from unickpt.engine.loader import reads_needed
+from unickpt.engine.loader import RankReads
 from unickpt.engine.read import BATCH_SPAN_BYTES, SMALL_CHUNK_BYTES, aligned_piece_bytes
 from unickpt.errors import CheckpointCorruptError
 from unickpt.storage import LocalStorage
@@ -74,8 +73,8 @@ def test_small_neighbouring_chunks_are_read_together(tmp_path: Path) -> None:
     assert report.bytes_wanted <= report.bytes_read <= report.bytes_wanted + 64 * 300
     assert small < report.bytes_read - (len(state["big"]) + len(state["mid"])) * 4 + 1
 
-    _, meta = read_checkpoint(LocalStorage(tmp_path / "c"))
-    hit = next(r for r in reads_needed(meta, dest) if r.key == "n150")
+    saved = LocalStorage(tmp_path / "c")
+    hit = next(r for r in RankReads(saved, dest).plan(saved) if r.key == "n150")
     with open(tmp_path / "c" / hit.file, "r+b") as f:  # one byte of n150, mid-batch
         f.seek(hit.chunk.byte_offset + 5)
         byte = f.read(1)
@@ -134,8 +133,8 @@ def test_files_in_memory_are_copied_out_of_maps_and_verified(shm_path: Path) -> 
         assert report.bytes_read == report.bytes_wanted
     assert all(n < MiB for _, _, n in storage.reads), storage.reads  # only small pieces read
 
-    _, meta = read_checkpoint(LocalStorage(shm_path / "c"))
-    hit = next(r for r in reads_needed(meta, state) if r.key == "big")
+    saved = LocalStorage(shm_path / "c")
+    hit = next(r for r in RankReads(saved, state).plan(saved) if r.key == "big")
     at = hit.chunk.byte_offset + 5 * MiB + 9  # inside the sixth segment of "big"
     with open(shm_path / "c" / hit.file, "r+b") as f:
         f.seek(at)

@@ -25,7 +25,7 @@ from ..planning.load_keys import (
     not_loaded_warning,
     unread_message,
 )
-from ..planning.load_plan import ChunkIndex, ReadItem, check_chunks_tile, plan_reads
+from ..planning.load_plan import ChunkIndex, ReadItem, plan_reads
 from ..storage.base import Storage
 from .commit import read_metadata
 from .exchange import ExchangeStats, rank_needs, run_exchange
@@ -106,7 +106,7 @@ def load(
                 warnings.warn(warning, stacklevel=5)
         assert plan.chunks is not None
         plan.meta = plan.chunks.load(_wanted(plan))
-        plan.reads = _plan_all_reads(plan, checked=True)
+        plan.reads = _plan_all_reads(plan)
         _check_files(storage, plan.meta, plan.reads)
         needs: RankNeeds | None = None
         if comm.world_size > 1 and config.share_reads:
@@ -255,20 +255,18 @@ def _wanted(plan: _Plan) -> dict[str, list[Box]]:
     return wanted
 
 
-def _plan_all_reads(plan: _Plan, checked: bool = False) -> list[ReadItem]:
-    """Read items of every tensor this rank loads. The saved chunks of every tensor the state
-    matched must tile it, also where a different shape skips the tensor (strict=False): a
-    forged or damaged shape is then reported as such (``checked``: they were, when read)."""
+def _plan_all_reads(plan: _Plan) -> list[ReadItem]:
+    """Read items of every tensor this rank loads, from the chunks :class:`SavedChunks` read
+    (and checked to tile each tensor the state matched, also where a different shape skips it:
+    a forged or damaged shape is then reported as such)."""
     meta, skipped = plan.meta, set(plan.match.differ)
     reads: list[ReadItem] = []
     for key, leaf in plan.flat.tensors.items():
         stored = plan.match.resolved.get(key)
-        if stored is None:
+        if stored is None or key in skipped or not leaf.pieces:
             continue
         saved = meta.tensors[stored]
-        index = ChunkIndex(saved.chunks) if checked else check_chunks_tile(stored, saved)
-        if key in skipped or not leaf.pieces:
-            continue
+        index = ChunkIndex(saved.chunks)
         if saved.encoding is None:
             reads.extend(plan_reads(stored, saved, meta.files, leaf.pieces, index))
         else:  # the stored rows into buffers, decoded into the leaf once read
@@ -337,13 +335,4 @@ class RankReads:
     def plan(self, storage: Storage) -> list[ReadItem]:
         """The reads, with their chunks from the index files of ``storage``."""
         self._plan.meta = SavedChunks(storage, self._plan.meta).load(self._wanted)
-        return _plan_all_reads(self._plan, checked=True)
-
-
-def reads_needed(meta: Metadata, state: dict[str, Any]) -> list[ReadItem]:
-    """The reads a load of ``state`` from a checkpoint with ``meta`` makes on this rank (each
-    saved chunk's part that a tensor of ``state`` needs, with its destination)."""
-    flat = flatten_state(state, for_load=True)
-    found = match_keys(meta, flat, strict=False)  # mismatches are reported by the load itself
-    plan = _Plan(meta, flat, found, SavedKeys.of(meta))
-    return _plan_all_reads(plan)
+        return _plan_all_reads(self._plan)

@@ -58,17 +58,13 @@ class TierGroup:
         return None if self._group is None else self._group.pg
 
     @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @property
     def world_size(self) -> int:
         return len(self.ranks)
 
     def all_gather(self, obj: T) -> list[T]:
         if self._pg is None:
             return [obj]
-        out: list[Any] = [None] * self.size
+        out: list[Any] = [None] * self.world_size
         with self._lost("all_gather"):
             dist.all_gather_object(out, obj, group=self._pg)
         return out
@@ -156,14 +152,16 @@ class TierGroup:
                     if self.rank == p.receiver:
                         got[p.name] = b""
                     continue
-                buf = torch.zeros(p.nbytes, dtype=torch.uint8)
                 if self.rank == p.sender:
+                    data = b""
                     with contextlib.suppress(OSError):
                         data = (folder / p.name).read_bytes()[: p.nbytes]
-                        if data:
-                            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                    dist.send(buf, self.ranks[p.receiver], self._pg, tag=tag)
+                    out = torch.frombuffer(
+                        bytearray(data.ljust(p.nbytes, b"\0")), dtype=torch.uint8
+                    )
+                    dist.send(out, self.ranks[p.receiver], self._pg, tag=tag)
                 else:
+                    buf = torch.empty(p.nbytes, dtype=torch.uint8)
                     dist.recv(buf, self.ranks[p.sender], self._pg, tag=tag)
                     got[p.name] = buf.numpy().tobytes()
         return got
@@ -174,7 +172,7 @@ class TierGroup:
             yield
         except RuntimeError as e:
             raise DistributedCheckpointError(
-                f"rank {self.rank}: the memory tier's {what} among {self.size} ranks failed "
+                f"rank {self.rank}: the memory tier's {what} among {self.world_size} ranks failed "
                 f"({e}): a rank died or hung past {self.timeout_s:.0f} s. Memory checkpoints "
                 "committed before stay loadable.",
                 {},

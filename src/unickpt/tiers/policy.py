@@ -296,7 +296,7 @@ class TierPolicy:
         """The writers whose files this rank persists: its own; after a restart on fewer
         ranks, also those of missing ranks ``r`` with ``r % size == rank``."""
         assert self._group is not None
-        size, rank = self._group.size, self._group.rank
+        size, rank = self._group.world_size, self._group.rank
         return [r for r in committed.writers if r == rank or (r >= size and r % size == rank)]
 
     def save_on_the_way_down(self) -> None:

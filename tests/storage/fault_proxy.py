@@ -6,6 +6,11 @@ closed with no answer, the server never sees it); or forwarded and its answer cu
 through the body, or in the status line when there is no body: the server did the work, the
 client sees a dropped connection). ``counts`` says
 how many of each happened.
+
+Tests that need one fault at one request give a ``rule``: it sees each request (method, target,
+headers, body), may change its headers, and names the fault for it (or None: forwarded as is);
+``after`` runs once a forwarded request was answered by the server, before its answer is sent
+on (to let another writer act between a request and its answer).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import random
 import socket
 import threading
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import BinaryIO
 
 FAULTS = ("503", "500", "dropped", "cut")
@@ -25,14 +32,43 @@ _ERRORS = {
 _HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection"}
 
 
+@dataclass
+class Request:
+    """A request as the proxy read it; a ``rule`` may change its headers."""
+
+    method: str
+    target: str
+    headers: dict[str, str]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        return next((v for k, v in self.headers.items() if k.lower() == name.lower()), None)
+
+    def drop_header(self, name: str) -> None:
+        for k in [k for k in self.headers if k.lower() == name.lower()]:
+            del self.headers[k]
+
+
+Rule = Callable[[Request], "str | None"]
+
+
 class FaultProxy:
     """``FaultProxy(upstream_port, rates={"503": 0.05, ...})``; ``url`` is its endpoint."""
 
-    def __init__(self, upstream_port: int, rates: dict[str, float], seed: int = 0) -> None:
+    def __init__(
+        self,
+        upstream_port: int,
+        rates: dict[str, float],
+        seed: int = 0,
+        rule: Rule | None = None,
+        after: Callable[[Request], None] | None = None,
+    ) -> None:
         if set(rates) - set(FAULTS):
             raise ValueError(f"unknown faults {set(rates) - set(FAULTS)}")
         self.upstream_port = upstream_port
         self.rates = dict(rates)
+        self.rule = rule
+        self.after = after
         self.enabled = True
         self.counts: Counter[str] = Counter()
         self._random = random.Random(seed)
@@ -48,11 +84,14 @@ class FaultProxy:
         self._stop = True
         self._server.close()
 
-    def _choose(self) -> str:
+    def _choose(self, request: Request) -> str:
         with self._lock:
             self.counts["requests"] += 1
             if not self.enabled:
                 return "ok"
+            if self.rule is not None and (fault := self.rule(request)) is not None:
+                self.counts[fault] += 1
+                return fault
             x = self._random.random()
             for fault in FAULTS:
                 x -= self.rates.get(fault, 0.0)
@@ -77,8 +116,7 @@ class FaultProxy:
                 request = _read_request(rfile, conn)
                 if request is None:
                     return
-                method, target, headers, body = request
-                fault = self._choose()
+                fault = self._choose(request)
                 if fault == "dropped":
                     return
                 if fault in _ERRORS:
@@ -86,8 +124,12 @@ class FaultProxy:
                     continue
                 if upstream is None:
                     upstream = http.client.HTTPConnection("127.0.0.1", self.upstream_port)
-                upstream.request(method, target, body=body, headers=headers)
-                head, body = _response(upstream.getresponse(), method)
+                upstream.request(
+                    request.method, request.target, body=request.body, headers=request.headers
+                )
+                head, body = _response(upstream.getresponse(), request.method)
+                if self.after is not None:
+                    self.after(request)
                 if fault == "cut":  # mid-body, or mid-status-line when there is no body
                     conn.sendall(head + body[: len(body) // 2] if body else head[:5])
                     return
@@ -101,9 +143,7 @@ class FaultProxy:
             conn.close()
 
 
-def _read_request(
-    rfile: BinaryIO, conn: socket.socket
-) -> tuple[str, str, dict[str, str], bytes] | None:
+def _read_request(rfile: BinaryIO, conn: socket.socket) -> Request | None:
     line = rfile.readline()
     if not line.strip():
         return None
@@ -121,7 +161,7 @@ def _read_request(
         body = rfile.read(int(lower.get("content-length", "0")))
     kept = {k: v for k, v in headers.items() if k.lower() not in _HOP | {"content-length"}}
     kept["Content-Length"] = str(len(body))
-    return method, target, kept, body
+    return Request(method, target, kept, body)
 
 
 def _read_chunked(rfile: BinaryIO) -> bytes:

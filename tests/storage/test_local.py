@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pytest
 
 from unickpt import CheckpointLockedError
 from unickpt.storage import LocalStorage
-from unickpt.storage.local import fs_type, make_folder, pwritev_all
+from unickpt.storage.local import _os_error, fs_type, make_folder, pwritev_all
 
 
 def test_pwritev_of_more_buffers_than_one_call_takes(tmp_path: Path) -> None:
@@ -73,3 +74,11 @@ def test_the_file_system_of_a_folder_is_known_before_it_exists(tmp_path: Path) -
         pytest.skip("/dev/shm is not a tmpfs here")
     assert LocalStorage("/dev/shm/unickpt-none/step-1").in_memory
     assert not LocalStorage("/proc/self").in_memory
+
+
+def test_a_full_disk_promises_no_checkpoint_that_may_not_exist() -> None:
+    message = str(_os_error(OSError(errno.ENOSPC, "No space left on device", "/x/d"), "writing"))
+    assert message == (
+        "writing failed: No space left on device (/x/d); the disk is full: free space or save "
+        "elsewhere; an earlier committed checkpoint, if any, is untouched."
+    )

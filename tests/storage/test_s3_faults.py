@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlparse
 
@@ -23,8 +23,8 @@ from unickpt.config import get_config
 from unickpt.storage.s3 import S3Storage
 from unickpt.storage.s3_client import S3Settings, client_for, s3_settings
 
-from .fault_proxy import FaultProxy
-from .s3_server import uploads
+from .fault_proxy import FaultProxy, Request
+from .s3_server import keys, uploads
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -229,3 +229,53 @@ def test_a_save_killed_mid_upload(
         assert ckpt.steps() == [1, 3]
     assert uploads(s3_endpoint, s3_bucket, "killed/") == []
     assert S3Storage(root).list_names() == ["step-000000001", "step-000000003"]
+
+
+def _fail_once(point: str) -> Callable[[Request], str | None]:
+    """A proxy rule: the request at ``point`` of a multipart upload fails; at ``part``, the
+    abort that follows fails once too (a cleanup must not give up where retries are off)."""
+    failed: set[str] = set()
+
+    def rule(r: Request) -> str | None:
+        upload = "uploadId=" in r.target
+        step = {
+            ("POST", False): "start" if r.target.endswith("?uploads") else "",
+            ("PUT", True): "part" if "partNumber=2" in r.target else "",
+            ("POST", True): "complete",
+            ("DELETE", True): "abort",
+        }.get((r.method, upload), "")
+        wanted = step == point or (point == "part" and step == "abort")
+        if not wanted or step in failed:
+            return "ok"
+        failed.add(step)
+        return "500" if step in ("part", "abort") else "cut"
+
+    return rule
+
+
+@pytest.mark.parametrize(
+    ("point", "message"),
+    [
+        ("start", "starting the upload of"),
+        ("part", "uploading part 2 of"),
+        ("complete", "completing the upload of"),
+    ],
+)
+def test_a_save_failing_without_retries_leaves_no_upload_open(
+    s3_endpoint: str, s3_bucket: str, point: str, message: str
+) -> None:
+    """The start's answer lost (the upload opened), a part refused (and the abort after it
+    refused once), the completion's answer lost (the object landed): the save fails and
+    neither an open upload nor the data object is left."""
+    proxy = FaultProxy(urlparse(s3_endpoint).port or 0, {}, rule=_fail_once(point))
+    try:
+        no_retries = s3_settings(max_attempts=1, rounds=1, backoff_s=0.05)
+        target = _through(proxy, f"s3://{s3_bucket}/once", no_retries)
+        with pytest.raises(unickpt.CheckpointError, match=message) as failure:
+            unickpt.save(target, _state(1), config=CONFIG)
+    finally:
+        proxy.close()
+    assert "an earlier committed checkpoint, if any, is untouched" in str(failure.value)
+    assert proxy.counts["500"] + proxy.counts["cut"] == (2 if point == "part" else 1)
+    assert uploads(s3_endpoint, s3_bucket) == []
+    assert [k for k in keys(s3_endpoint, s3_bucket) if "/data-" in k] == []

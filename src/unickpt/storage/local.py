@@ -26,7 +26,10 @@ _fs_types: dict[int, str] = {}  # device number -> file system type, read once p
 
 def _os_error(e: OSError, what: str) -> CheckpointError:
     if e.errno == errno.ENOSPC:
-        hint = "the disk is full: free space or save elsewhere; the previous checkpoint is intact."
+        hint = (
+            "the disk is full: free space or save elsewhere; an earlier committed checkpoint, "
+            "if any, is untouched."
+        )
     elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         hint = "the folder is not writable: fix its permissions or save elsewhere."
     else:

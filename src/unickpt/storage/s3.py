@@ -29,6 +29,7 @@ from .s3_client import (
     BufferStream,
     S3Settings,
     call,
+    cleanup_settings,
     client_for,
     error_code,
     read_range,
@@ -70,17 +71,23 @@ class _MultipartHandle(WriteHandle):
         self._done = False
         self._checksum = store.checksum_algorithm()
         self._extra = {"ChecksumAlgorithm": self._checksum} if self._checksum else {}
+        self._completing = False
         tries = []
 
         def start() -> Any:
             tries.append(1)
             return store.client.create_multipart_upload(Bucket=store.bucket, Key=key, **self._extra)
 
-        resp = store._call(f"starting the upload of {self.location}", start)
+        try:
+            resp = store._call(f"starting the upload of {self.location}", start)
+        except CheckpointError:
+            # the upload may have been started with its answer lost: abort what is there
+            self._abort_quietly(lambda: store.abort_uploads_of(key))
+            raise
         self._upload_id = str(resp["UploadId"])
         if len(tries) > 1 or resp.get("ResponseMetadata", {}).get("RetryAttempts", 0):
             # a request sent again may have started an upload whose answer was lost
-            store.abort_uploads(key, keep=self._upload_id)
+            store.abort_uploads_of(key, keep=self._upload_id)
 
     def _write_part(self, index: int, buffers: list[memoryview]) -> None:
         s = self._store
@@ -120,6 +127,7 @@ class _MultipartHandle(WriteHandle):
                 if error_code(e) != "NoSuchUpload" or not self._landed():
                     raise
 
+        self._completing = True  # from here on, the object may land even if the call fails
         s._call(f"completing the upload of {self.location}", finish)
         self._done = True
 
@@ -130,16 +138,22 @@ class _MultipartHandle(WriteHandle):
         return head is not None and int(head.get("ContentLength", -1)) == self.nbytes
 
     def _discard(self) -> None:
+        """Abort the upload; when it is gone because its completion landed (or may have),
+        delete the object (the key is unique to this save)."""
         s = self._store
+
+        def discard() -> None:
+            was_open = s.abort_upload(self._key, self._upload_id)
+            if self._done or (self._completing and not was_open):
+                s.remove_key(self._key, cleanup=True)
+
+        self._abort_quietly(discard)
+
+    def _abort_quietly(self, cleanup: Callable[[], object]) -> None:
         try:
-            s.abort_upload(self._key, self._upload_id)
-            if self._done:
-                s._call(
-                    f"deleting {self.location}",
-                    lambda: s.client.delete_object(Bucket=s.bucket, Key=self._key),
-                )
+            cleanup()
         except CheckpointError as e:
-            log.warning("%s; the next writer of %s removes it", e, s.location)
+            log.warning("%s; the next writer of %s removes it", e, self._store.location)
 
 
 class _SingleHandle(WriteHandle):
@@ -161,7 +175,7 @@ class _SingleHandle(WriteHandle):
 
     def _discard(self) -> None:
         try:
-            self._store.remove_key(self._key)
+            self._store.remove_key(self._key, cleanup=True)
         except CheckpointError as e:
             log.warning("%s; the next save's debris removal deletes it", e)
 
@@ -228,6 +242,10 @@ class S3Storage(Storage):
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         return call(self.settings, what, fn)
+
+    def _cleanup(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` as a cleanup after a failure: tried again even where retries are off."""
+        return call(cleanup_settings(self.settings), what, fn)
 
     def parent(self) -> S3Storage | None:
         """The prefix one level up (the bucket's top for a one-level prefix); None at the top."""
@@ -332,8 +350,11 @@ class S3Storage(Storage):
             return _SingleHandle(self, key, part_sizes)
         return _MultipartHandle(self, key, part_sizes)
 
-    def remove_key(self, key: str) -> None:
-        self._call(
+    def remove_key(self, key: str, cleanup: bool = False) -> None:
+        """Delete object ``key``; ``cleanup``: after a failure, tried at least
+        :data:`~.s3_client.CLEANUP_TRIES` times whatever the settings."""
+        run = self._cleanup if cleanup else self._call
+        run(
             f"deleting s3://{self.bucket}/{key}",
             lambda: self.client.delete_object(Bucket=self.bucket, Key=key),
         )
@@ -392,15 +413,32 @@ class S3Storage(Storage):
             self.abort_upload(key, upload_id)
         return len(uploads)
 
-    def abort_upload(self, key: str, upload_id: str) -> None:
-        def abort() -> None:
+    def abort_uploads_of(self, key: str, keep: str | None = None) -> None:
+        """Abort the unfinished uploads of object ``key`` but the upload ``keep`` (a failed
+        or retried start may have opened one whose answer was lost); tried as a cleanup."""
+        what = f"listing the uploads of s3://{self.bucket}/{key}"
+        listing = partial(self.client.list_multipart_uploads, Bucket=self.bucket, Prefix=key)
+        found = self._cleanup(what, listing).get("Uploads", ())
+        for upload in found:
+            if upload["Key"] == key and upload["UploadId"] != keep:
+                log.info("aborting an upload of s3://%s/%s left by a start", self.bucket, key)
+                self.abort_upload(key, upload["UploadId"])
+
+    def abort_upload(self, key: str, upload_id: str) -> bool:
+        """Abort an upload (tried as a cleanup); whether it was still open (False: it was
+        completed or aborted already)."""
+
+        def abort() -> bool:
             try:
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
             except Exception as e:
                 if error_code(e) != "NoSuchUpload":  # gone already (or a retry after success)
                     raise
+                return False
+            return True
 
-        self._call(f"aborting the upload of s3://{self.bucket}/{key}", abort)
+        was_open: bool = self._cleanup(f"aborting the upload of s3://{self.bucket}/{key}", abort)
+        return was_open
 
     def acquire_lock(self) -> Callable[[], None]:
         """The lock object ``LOCK`` (conditional PUT); then the uploads an earlier, killed

@@ -21,7 +21,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 from typing import Any, TypeVar
 
 import boto3
@@ -38,6 +38,8 @@ T = TypeVar("T")
 MiB = 1 << 20
 _READ_STEP = 8 * MiB
 _MAX_BACKOFF_S = 8.0
+CLEANUP_TRIES = 4
+"""The fewest tries of a request that cleans up after a failure, whatever the settings."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,15 @@ class S3Settings:
 def s3_settings(**overrides: Any) -> S3Settings:
     """The defaults, then ``UNICKPT_S3_*`` environment variables, then ``overrides``."""
     return S3Settings(**{**env_overrides(S3Settings, "UNICKPT_S3_"), **overrides})
+
+
+def cleanup_settings(settings: S3Settings) -> S3Settings:
+    """``settings`` for the requests that clean up after a failure (aborting an upload,
+    deleting what a failed save wrote): at least :data:`CLEANUP_TRIES` tries even where
+    retries are turned off, since a cleanup that fails leaves debris behind (an open upload
+    is stored, and billed, until aborted)."""
+    rounds = max(settings.rounds, -(-CLEANUP_TRIES // settings.max_attempts))
+    return replace(settings, rounds=rounds)
 
 
 _CLIENTS: dict[tuple[Any, ...], Any] = {}
@@ -158,8 +169,8 @@ def s3_error(e: BaseException, what: str) -> CheckpointError:
     elif is_transient(e):
         hint = (
             "the endpoint kept failing (throttling, server errors or dropped connections) "
-            "through every retry; the previous checkpoint is intact. Try again later, or raise "
-            "UNICKPT_S3_MAX_ATTEMPTS / UNICKPT_S3_ROUNDS."
+            "through every retry; an earlier committed checkpoint, if any, is untouched. Try again "
+            "later, or raise UNICKPT_S3_MAX_ATTEMPTS / UNICKPT_S3_ROUNDS."
         )
     else:
         hint = "check the URL, the endpoint (AWS_ENDPOINT_URL) and the credentials."

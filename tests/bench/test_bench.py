@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from unickpt.bench import BenchConfig, parse_param_count, parse_systems, run_bench, write_outputs
+from unickpt.bench.harness import within_budget
 from unickpt.bench.model import config_for_params
 from unickpt.bench.report import to_markdown
 from unickpt.bench.systems.registry import ALL_SYSTEMS, PEER_SYSTEMS
@@ -59,6 +60,43 @@ def test_cli_options() -> None:
         parser.parse_args(["bench", "--device", "tpu"])
     with pytest.raises(ValueError, match="repeats"):
         BenchConfig(1_000_000, 2, ("dcp",), Path("o"), Path("w"), repeats=0)
+
+
+def test_time_budget_option() -> None:
+    parser = argparse.ArgumentParser()
+    bench_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--time-budget", "120"])
+    assert args.time_budget == 120.0 and "--time-budget 120" in bench_cli._command(args)
+    assert parser.parse_args(["bench"]).time_budget is None
+    with pytest.raises(ValueError, match="time budget 0 s must be positive"):
+        BenchConfig(1_000_000, 1, ("dcp",), Path("o"), Path("w"), time_budget_s=0)
+
+
+def test_within_budget() -> None:
+    assert within_budget(90.0, 30.0, 120.0)
+    assert not within_budget(90.5, 30.0, 120.0)
+    assert within_budget(1e9, 1e9, None)
+
+
+@pytest.mark.timeout(600)
+def test_time_budget_skips_the_runs_that_would_pass_it(tmp_path: Path) -> None:
+    config = BenchConfig(
+        params=200_000,
+        world=1,
+        systems=("dcp", "torch-save"),
+        out=tmp_path / "out",
+        workdir=tmp_path / "work",
+        seq_len=16,
+        repeats=2,
+        time_budget_s=0.001,  # spent by the hardware job: no run starts
+    )
+    lines: list[str] = []
+    report = run_bench(config, lines.append)
+    assert lines == ["measuring the hardware", "time budget of 0.001 s spent: 4 runs"]
+    assert report.hardware is not None
+    for row in report.systems:
+        assert (row.status, row.runs, row.failed_runs) == ("skipped", 0, 2)
+        assert row.message == "not started: the time budget of 0.001 s was spent (--time-budget)"
 
 
 @pytest.mark.timeout(600)
@@ -141,3 +179,5 @@ def test_harness_on_cuda(tmp_path: Path) -> None:
         assert row.status == "ok", row
         assert row.verified == {"load": True, "reshard load": True}, row
         assert "save_peak_gpu_bytes" in row.figures
+    assert report.hardware is not None and report.hardware.device_copy_bytes > 0
+    assert report.hardware.d2h_s > 0 and report.hardware.h2d_s > 0

@@ -113,3 +113,12 @@ def test_replace_results_block() -> None:
     assert new.endswith("<!-- results:end -->\n\nrest\n")
     with pytest.raises(ValueError, match="results"):
         replace_results("no block", "x")
+
+
+def test_hardware_line_shows_device_copies_only_when_measured() -> None:
+    assert "pinned host" not in to_markdown(_report())
+    hw = dataclasses.replace(_HW, device_copy_bytes=100_000_000, d2h_s=0.01, h2d_s=0.02)
+    markdown = to_markdown(BenchReport(_INFO, hw, _report().systems))
+    assert "GPU to pinned host 10,000 MB/s, pinned host to GPU 5,000 MB/s (100 MB" in markdown
+    assert HardwareResult.from_dict(hw.to_dict()) == hw
+    assert hw.to_dict()["d2h_bytes_per_s"] == 1e10 and _HW.to_dict()["d2h_bytes_per_s"] is None

@@ -65,7 +65,9 @@ class BenchConfig:
     where the peer systems are installed, or None to mark them "not installed". ``repeats``
     runs of every system, alternating, each in fresh processes; every figure is their median.
     ``device`` ``"cuda"`` puts the state on one GPU per rank (every row reads "skipped" on a
-    machine without CUDA).
+    machine without CUDA). ``time_budget_s``: seconds from the start; no run starts when the
+    time spent plus the longest job so far (the hardware job's, before the first run) would
+    pass it, and the runs left out count as skipped (None: no budget).
     """
 
     params: int
@@ -80,6 +82,7 @@ class BenchConfig:
     command: str = ""
     repeats: int = 3
     device: str = "cpu"
+    time_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.world < 1:
@@ -94,3 +97,7 @@ class BenchConfig:
             raise ValueError(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
         if self.system_timeout_s <= 0:
             raise ValueError(f"system timeout {self.system_timeout_s} s must be positive")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ValueError(
+                f"time budget {self.time_budget_s} s must be positive (leave it out for none)"
+            )

@@ -2,8 +2,10 @@
 
 Every rank writes its share of the checkpoint's bytes to its own file with 4 threads and
 fsyncs it, then reads that file back with 4 threads (the page cache is warm: dropping caches
-needs privileges a benchmark should not assume), then copies a buffer in memory. Collective:
-every rank calls :func:`measure_hardware` at the same point.
+needs privileges a benchmark should not assume), then copies a buffer in memory; with the state
+on CUDA, it also copies a buffer from the GPU into pinned host memory and back (the bandwidth
+a snapshot and a load of GPU tensors can reach). Collective: every rank calls
+:func:`measure_hardware` at the same point.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ def _best(work: Callable[[], object], repeats: int) -> float:
     return min(_timed_collective(work) for _ in range(repeats))
 
 
-def measure_hardware(workdir: Path, local_bytes: int) -> HardwareResult:
-    """Write ``local_bytes`` per rank with fsync, read them back, and time a memcpy; each the
-    best of a few tries, since the limit is what the machine can do at its best."""
+def measure_hardware(workdir: Path, local_bytes: int, device: str = "cpu") -> HardwareResult:
+    """Write ``local_bytes`` per rank with fsync, read them back, and time a memcpy (and, with
+    ``device`` ``"cuda"``, a device-to-host and a host-to-device copy through pinned memory);
+    each the best of a few tries, since the limit is what the machine can do at its best."""
     world = dist.get_world_size()
     file = workdir / f"hw_{dist.get_rank()}.bin"
     chunk = torch.randint(0, 255, (_CHUNK_BYTES,), dtype=torch.uint8).numpy().tobytes()
@@ -51,6 +54,7 @@ def measure_hardware(workdir: Path, local_bytes: int) -> HardwareResult:
     dst = torch.empty_like(src)
     dst.copy_(src)
     memcpy_s = _best(lambda: dst.copy_(src), _REPEATS)
+    d2h_s, h2d_s = _device_copies() if device == "cuda" else (0.0, 0.0)
     sizes = torch.tensor([local_bytes], dtype=torch.int64)
     dist.all_reduce(sizes)
     return HardwareResult(
@@ -60,7 +64,26 @@ def measure_hardware(workdir: Path, local_bytes: int) -> HardwareResult:
         read_warm_s=read_s,
         memcpy_bytes=world * _MEMCPY_BYTES,
         memcpy_s=memcpy_s,
+        device_copy_bytes=world * _MEMCPY_BYTES if device == "cuda" else 0,
+        d2h_s=d2h_s,
+        h2d_s=h2d_s,
     )
+
+
+def _device_copies() -> tuple[float, float]:
+    """Seconds of the best device-to-host and host-to-device copy of ``_MEMCPY_BYTES`` between
+    this rank's GPU and pinned host memory, every rank copying at once."""
+    gpu = torch.ones(_MEMCPY_BYTES // 4, dtype=torch.float32, device="cuda")
+    host = torch.empty(gpu.shape, dtype=gpu.dtype, pin_memory=True)
+
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    copy(host, gpu)
+    d2h_s = _best(lambda: copy(host, gpu), _REPEATS)
+    h2d_s = _best(lambda: copy(gpu, host), _REPEATS)
+    return d2h_s, h2d_s
 
 
 def _ranges(total: int) -> list[tuple[int, int]]:

@@ -114,6 +114,8 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         return _report(config, stamp, started, _Job("skipped"), _skipped_rows(config))
     tell("measuring the hardware")
     setup = _launch(config, sys.executable, "", 0)
+    # The first run's guess: the hardware job, which builds the same state and writes it.
+    longest_s = time.monotonic() - started
     runs: dict[str, _Runs] = {name: _Runs() for name in config.systems}
     rows: dict[str, SystemResult] = {}
     for name in config.systems:
@@ -122,14 +124,37 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
             rows[name] = _row(name, STATUS_NOT_INSTALLED, missing)
     plan = schedule([n for n in config.systems if n not in rows], config.repeats)
     for index, (repeat, name) in enumerate(plan, 1):
+        if not within_budget(time.monotonic() - started, longest_s, config.time_budget_s):
+            tell(f"time budget of {config.time_budget_s:g} s spent: {len(plan) - index + 1} runs")
+            _skip_rest(runs, plan[index - 1 :], config.time_budget_s)
+            break
         tell(f"run {index}/{len(plan)}: {name} (repeat {repeat + 1} of {config.repeats})")
+        job_started = time.monotonic()
         _record(runs[name], _run_once(config, name, repeat))
+        longest_s = max(longest_s, time.monotonic() - job_started)
     for name in config.systems:
         if name not in rows:
             info = SYSTEMS_BY_NAME[name]
             got = runs[name]
             rows[name] = summarize(name, info.label, got.notes, got.results, got.failures)
     return _report(config, stamp, started, setup, [rows[n] for n in config.systems])
+
+
+def within_budget(elapsed_s: float, longest_run_s: float, budget_s: float | None) -> bool:
+    """Whether another run may start: the time spent plus the longest run so far stays within
+    the budget (always, without one).
+
+    >>> within_budget(100.0, 30.0, 120.0), within_budget(100.0, 30.0, None)
+    (False, True)
+    """
+    return budget_s is None or elapsed_s + longest_run_s <= budget_s
+
+
+def _skip_rest(runs: dict[str, _Runs], rest: list[tuple[int, str]], budget_s: float | None) -> None:
+    """The runs the time budget left out count as skipped runs of their systems."""
+    why = f"not started: the time budget of {budget_s:g} s was spent (--time-budget)"
+    for _, name in rest:
+        runs[name].failures.append((STATUS_SKIPPED, why))
 
 
 def _record(runs: _Runs, job: _Job) -> None:

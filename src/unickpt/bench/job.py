@@ -172,7 +172,7 @@ def _run_rank(args: argparse.Namespace) -> None:
         },
     )
     if args.hardware:
-        hardware = measure_hardware(args.workdir, local_state_bytes(state))
+        hardware = measure_hardware(args.workdir, local_state_bytes(state), args.device)
         results.write("hardware", hardware.to_dict())
     if not args.system:
         return

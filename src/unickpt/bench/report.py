@@ -128,8 +128,18 @@ def _hardware_lines(hw: HardwareResult | None) -> list[str]:
         f"({hw.write_bytes_per_s / _MB:,.0f} MB/s); "
         f"sequential read, page cache warm {hw.read_warm_s:.3f} s "
         f"({hw.read_bytes_per_s / _MB:,.0f} MB/s); "
-        f"memcpy {hw.memcpy_bytes_per_s / _MB:,.0f} MB/s."
+        f"memcpy {hw.memcpy_bytes_per_s / _MB:,.0f} MB/s" + _device_copy_text(hw) + "."
     ]
+
+
+def _device_copy_text(hw: HardwareResult) -> str:
+    d2h, h2d = hw.d2h_bytes_per_s, hw.h2d_bytes_per_s
+    if d2h is None or h2d is None:
+        return ""
+    return (
+        f"; GPU to pinned host {d2h / _MB:,.0f} MB/s, pinned host to GPU {h2d / _MB:,.0f} MB/s "
+        f"({hw.device_copy_bytes / _MB:,.0f} MB, every process at once)"
+    )
 
 
 def _setting(report: BenchReport) -> str:

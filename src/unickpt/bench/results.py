@@ -158,6 +158,9 @@ class HardwareResult:
     read_warm_s: float
     memcpy_bytes: int
     memcpy_s: float
+    device_copy_bytes: int = 0  # 0: the state was not on a GPU, no device copies measured
+    d2h_s: float = 0.0  # GPU to pinned host memory
+    h2d_s: float = 0.0  # pinned host memory to GPU
 
     @property
     def write_bytes_per_s(self) -> float:
@@ -170,6 +173,14 @@ class HardwareResult:
     @property
     def memcpy_bytes_per_s(self) -> float:
         return self.memcpy_bytes / self.memcpy_s
+
+    @property
+    def d2h_bytes_per_s(self) -> float | None:
+        return self.device_copy_bytes / self.d2h_s if self.device_copy_bytes else None
+
+    @property
+    def h2d_bytes_per_s(self) -> float | None:
+        return self.device_copy_bytes / self.h2d_s if self.device_copy_bytes else None
 
     def limit_s(self, which: str) -> float:
         """The time of the machine's ``"write"`` (with fsync) or ``"read"`` of the state."""
@@ -185,6 +196,8 @@ class HardwareResult:
         data["write_bytes_per_s"] = self.write_bytes_per_s
         data["read_bytes_per_s"] = self.read_bytes_per_s
         data["memcpy_bytes_per_s"] = self.memcpy_bytes_per_s
+        data["d2h_bytes_per_s"] = self.d2h_bytes_per_s
+        data["h2d_bytes_per_s"] = self.h2d_bytes_per_s
         return data
 
 

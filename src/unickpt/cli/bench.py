@@ -126,6 +126,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--system-timeout", type=float, default=900.0, help="seconds before a run counts as hung"
     )
     parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds: start no run that would end past them (guessed from the longest job so "
+        "far); the runs left out count as skipped (default: no budget)",
+    )
+    parser.add_argument(
         "--doc",
         type=Path,
         default=None,
@@ -210,6 +217,7 @@ def _command(args: argparse.Namespace) -> str:
     parts += ["--seq-len", str(args.seq_len)]
     parts += ["--device", args.device] if args.device != "cpu" else []
     parts += ["--no-warmup"] if args.no_warmup else []
+    parts += ["--time-budget", f"{args.time_budget:g}"] if args.time_budget else []
     return shlex.join(parts)
 
 
@@ -255,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
             command=_command(args),
             repeats=args.repeats,
             device=args.device,
+            time_budget_s=args.time_budget,
         )
     except ValueError as exc:
         print(f"unickpt bench: {exc}", file=sys.stderr)

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 
 from unickpt.errors import CheckpointError
-from unickpt.tuning import IntervalTuner, bound_interval, choose_interval, young_daly_s
-from unickpt.tuning.restarts import mtbf_from_starts
+from unickpt.tuning import IntervalTuner, SaveCost, bound_interval, choose_interval, young_daly_s
+from unickpt.tuning.restarts import Start, mtbf_from_starts
 
 
 class FakeClock:
@@ -122,8 +122,34 @@ def test_formulas() -> None:
     assert young_daly_s(2.0, 40_000.0) == 400.0
     assert bound_interval(0.5, 0.125, 0.01) == 400
     assert bound_interval(0.0, 0.125, 0.01) == 1
-    assert mtbf_from_starts([100.0], 500.0) is None
-    assert mtbf_from_starts([100.0, 200.0, 300.0], 500.0) == 200.0
+    assert mtbf_from_starts([Start(100.0)], 500.0) is None
+    # Each job ran until the next start (its last save then), the current one for 200 s.
+    starts = [Start(100.0, 200.0), Start(200.0, 300.0), Start(300.0)]
+    assert mtbf_from_starts(starts, 500.0) == 200.0
+
+
+def test_a_save_in_flight_when_the_loop_ends_has_a_cost() -> None:
+    """The only save's background work outlasts the loop: its cost is its stall while in
+    flight, and its stall plus the slowdown measured once its work is done."""
+    clock = FakeClock()
+    tuner = IntervalTuner("auto", max_overhead=0.01, clock=clock)
+    background = [False]
+    saved = []
+    for step in range(8):
+        clock.t += 0.125 + (0.25 if saved else 0.0)
+        if tuner.begin(step):
+            clock.t += 0.5
+            saved.append(step)
+            tuner.end(step, True, lambda: background[0])
+        else:
+            tuner.end(step, False)
+    assert saved == [3]
+    in_flight = tuner.tuning
+    assert in_flight.save_cost_s == 0.5 and in_flight.costs == ()
+    background[0] = True  # as after Checkpointer.wait()
+    done = tuner.tuning
+    assert done.costs == (SaveCost(3, 0.5, 4 * 0.25),)
+    assert done.save_cost_s == 0.5 + 4 * 0.25
 
 
 def test_a_fixed_interval_saves_at_multiples_and_still_measures() -> None:

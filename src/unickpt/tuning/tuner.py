@@ -7,7 +7,8 @@ clock and made-up costs. The loop calls :meth:`IntervalTuner.begin` at the start
 - a step's time is the time between the end of one call and the start of the next;
 - a save's cost to the loop is its stall (the time the call took) plus the slowdown of the
   steps that ran while its background work was in flight, each against the median time of
-  recent steps that overlapped no save;
+  recent steps that overlapped no save; it is recorded at the first step (or reading of
+  :attr:`IntervalTuner.tuning`) that finds the background work done, or at the next save;
 - after each save the interval is chosen again (:func:`choose_interval`) from the median cost
   of the last three saves (the newest one's slowdown not yet known, the previous one's taken in
   its place), so a save that becomes cheap (a memory tier) shortens the interval within two
@@ -169,8 +170,13 @@ class IntervalTuner:
 
     @property
     def tuning(self) -> Tuning:
+        """What was measured and decided. A save whose background work has finished since the
+        last step is accounted now; one still in flight counts with its stall (as when the
+        interval is chosen), so a loop that saved has a save cost whatever the timing."""
+        if self._pending is not None and self._pending[2]():
+            self._finish_pending()
         step_s = self.step_s()
-        cost = self._cost_estimate()
+        cost = self._cost_estimate(self._pending[1] if self._pending is not None else None)
         every = self._every
         return Tuning(
             mode="auto" if self.auto else "fixed",

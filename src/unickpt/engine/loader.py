@@ -16,6 +16,7 @@ from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsafeObje
 from ..format.metadata import Metadata
 from ..format.values import decode_value
 from ..layouts.boxes import Box
+from ..layouts.leaves import PerRank
 from ..planning.exchange_plan import ExchangePlan, RankNeeds, plan_exchange
 from ..planning.flatten import Flattened, flatten_state
 from ..planning.load_keys import (
@@ -26,6 +27,7 @@ from ..planning.load_keys import (
     unread_message,
 )
 from ..planning.load_plan import ChunkIndex, ReadItem, plan_reads
+from ..planning.per_rank import missing_warning, needs_reshard, reshard
 from ..storage.base import Storage
 from .commit import read_metadata
 from .exchange import ExchangeStats, rank_needs, run_exchange
@@ -302,6 +304,9 @@ def _set_values(plan: _Plan, comm: Comm, allow_pickle: bool) -> None:
     for key, holder in plan.flat.per_rank.items():
         if key not in meta.per_rank or key in skipped:
             continue
+        if callable(holder.on_world_change) and needs_reshard(meta, key, comm.world_size):
+            _reshard_value(meta, key, holder, comm, allow_pickle)
+            continue
         found, encoded = meta.per_rank_value(key, comm.rank)
         if found:
             holder.value = decode_value(encoded, key, allow_pickle)
@@ -312,6 +317,24 @@ def _set_values(plan: _Plan, comm: Comm, allow_pickle: bool) -> None:
                 "on_world_change='error') refuses such a load).",
                 stacklevel=6,
             )
+
+
+def _reshard_value(
+    meta: Metadata, key: str, holder: PerRank, comm: Comm, allow_pickle: bool
+) -> None:
+    """A PerRank value through its own function (see :mod:`unickpt.planning.per_rank`)."""
+    assert callable(holder.on_world_change)
+    got = reshard(meta, key, holder.on_world_change, comm.world_size, comm.rank, allow_pickle)
+    if got is None:
+        warnings.warn(
+            f"'{key}': {_per_rank_story(meta, key, comm.world_size)}; every rank keeps its "
+            "current value.",
+            stacklevel=7,
+        )
+        return
+    holder.value = got.value
+    if got.missing:
+        warnings.warn(missing_warning(meta, key, got.missing, comm.world_size), stacklevel=7)
 
 
 class RankReads:

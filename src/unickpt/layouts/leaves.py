@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,28 +76,46 @@ class FlatShard:
             )
 
 
+Reshard = Callable[[list[Any], int, int], Any]
+"""``fn(saved_values, world_size, rank) -> value``: a PerRank value's resharding function."""
+
+
 @dataclass
 class PerRank:
     """A value that differs per rank (RNG state, a data position): restored to the same rank.
 
     Load replaces ``value`` with the one this rank saved. When the world size changed since the
-    save (or this rank held no value under the key then), ranks with a saved value get it back,
-    the others keep their current value, and a warning says so once per key;
-    ``on_world_change="error"`` refuses the load instead.
+    save (or some rank held no value under the key then), ``on_world_change`` decides:
+
+    - ``"warn"`` (default): ranks with a saved value get it back, the others keep their current
+      value, and a warning says so once per key;
+    - ``"error"``: the load is refused;
+    - a function ``fn(saved_values, world_size, rank) -> value``: every loading rank gets
+      ``fn``'s result, from ``saved_values`` (the decoded values of the saving ranks that held
+      one, in rank order; a warning names the ranks that held none), the loading world size and
+      its own rank. It must be deterministic, so that the ranks agree on how the values are
+      split. At the saved world size, every rank having held a value, each rank gets its own
+      value back and ``fn`` is not called. An error of ``fn`` fails the load on every rank, the
+      key named.
 
     >>> import torch, unickpt
     >>> state = {"rng": unickpt.PerRank(torch.get_rng_state())}
     >>> # after unickpt.load(path, state): torch.set_rng_state(state["rng"].value)
+    >>> def concat(saved, world_size, rank):  # every rank's list, split anew
+    ...     merged = [x for values in saved for x in values]
+    ...     return merged[rank::world_size]
+    >>> todo = unickpt.PerRank([1, 2, 3], on_world_change=concat)
     """
 
     value: Any = field(default=None)
-    on_world_change: str = "warn"
+    on_world_change: str | Reshard = "warn"
 
     def __post_init__(self) -> None:
-        if self.on_world_change not in ("warn", "error"):
+        if not callable(self.on_world_change) and self.on_world_change not in ("warn", "error"):
             raise CheckpointError(
                 f"PerRank(on_world_change={self.on_world_change!r}): expected 'warn' (keep the "
-                "current value where none was saved) or 'error' (refuse the load)."
+                "current value where none was saved), 'error' (refuse the load) or a function "
+                "fn(saved_values, world_size, rank) returning this rank's value."
             )
 
 

@@ -41,9 +41,9 @@ LAYOUTS = {
         ("f", _c((1, 0), (2, 8), 64)),
         ("f", _c((3, 0), (1, 2), 192)),
     ],
-    "no checksums, empty box": [
-        ("e", ChunkMeta((0, 0), (0, 4), 0, 0, 0, ())),
-        ("e", ChunkMeta((0, 0), (2, 4), 0, 0, 32, ())),
+    "empty box": [
+        ("e", ChunkMeta((0, 0), (0, 4), 0, 0, 0, SUMS[:1])),
+        ("e", ChunkMeta((0, 0), (2, 4), 0, 0, 32, SUMS[:1])),
     ],
     "no chunks": [],
 }

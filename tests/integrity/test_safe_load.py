@@ -193,8 +193,9 @@ def _split_overlapping(doc: dict[str, Any], key: str) -> None:
     rows 12-23 twice and rows 36-47 never (element counts cannot tell)."""
     chunk = _chunk(doc, key)
     half = chunk[4] // 2
-    first = [key, [0, 0], [24, 64], chunk[3], half, []]
-    second = [key, [12, 0], [24, 64], chunk[3] + half, half, []]
+    sums = chunk[5][: -(-len(chunk[5]) // 2)]  # the segments of half the bytes
+    first = [key, [0, 0], [24, 64], chunk[3], half, sums]
+    second = [key, [12, 0], [24, 64], chunk[3] + half, half, sums]
     doc["chunks"][doc["chunks"].index(chunk) : doc["chunks"].index(chunk) + 1] = [first, second]
 
 
@@ -248,7 +249,11 @@ FORGERIES = {
         lambda d: d.__setitem__("format", "other"),
         "format is 'other'",
     ),
-    "file list emptied": ("metadata", _set_value(("files",), []), "do not tile"),
+    "file list emptied": (
+        "metadata",
+        _set_value(("files",), []),
+        "the tensors' shapes need 14909 bytes, but the data files the metadata lists hold 0",
+    ),
     "tensor dtype unknown": (
         "metadata",
         _set_value(("tensors", "t.big", "dtype"), "float99"),

@@ -18,17 +18,23 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format.metadata import EncodingError
+from ..format.metadata import (
+    ENCODING_BITS,
+    ROWWISE_AFFINE,
+    ROWWISE_HEADER_BYTES,
+    EncodingError,
+    rowwise_stored_width,
+)
 
-NAME = "rowwise-affine"
-BITS = (4, 8)
-HEADER_BYTES = 8
+NAME = ROWWISE_AFFINE
+BITS = ENCODING_BITS
+HEADER_BYTES = ROWWISE_HEADER_BYTES
 BLOCK_ROWS = 16384
 
 
 def stored_width(columns: int, bits: int) -> int:
     """Bytes of one stored row: the header, then the codes."""
-    return HEADER_BYTES + (columns if bits == 8 else (columns + 1) // 2)
+    return rowwise_stored_width(columns, bits)
 
 
 @dataclass

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from .limits import MAX_NDIM
+
 
 @dataclass(frozen=True, eq=False)
 class ChunkLayout:
@@ -115,13 +117,33 @@ def encode_chunk_map(chunk_map: ChunkMap) -> dict[str, Any]:
     }
 
 
-def decode_chunk_map(doc: Any) -> ChunkMap:
-    """The map of a metadata's ``chunk_map``; raises ValueError where it is malformed."""
-    layouts = []
+def _sizes(doc: Any) -> list[tuple[int, int]]:
+    """``(ndim, rows)`` of each layout of a ``chunk_map``, checked (nothing decoded)."""
+    out = []
     for lay in doc["layouts"]:
         ndim, rows = int(lay["ndim"]), int(lay["rows"])
-        if ndim < 0 or rows < 0:
+        if not 0 <= ndim <= MAX_NDIM or rows < 0:
             raise ValueError(f"a chunk map layout has {ndim} dimensions and {rows} rows")
+        out.append((ndim, rows))
+    return out
+
+
+def chunk_map_rows(doc: Any) -> int:
+    """The rows (boxes) the layouts of a ``chunk_map`` declare, before decoding them."""
+    return sum(rows for _, rows in _sizes(doc))
+
+
+def chunk_map_nbytes(doc: Any) -> int:
+    """The bytes the layouts of a ``chunk_map`` declare they decode to."""
+    return sum(rows * (2 * ndim + 1) * 8 for ndim, rows in _sizes(doc))
+
+
+def decode_chunk_map(doc: Any) -> ChunkMap:
+    """The map of a metadata's ``chunk_map``; raises ValueError where it is malformed. Each
+    layout inflates to no more than the rows it declares (bound them first:
+    :func:`chunk_map_rows`)."""
+    layouts = []
+    for lay, (ndim, rows) in zip(doc["layouts"], _sizes(doc)):
         coords = _unpack(str(lay["coords"]), rows, 2 * ndim)
         where = _unpack(str(lay["files"]), rows, 1).reshape(-1)
         layouts.append(ChunkLayout(ndim, coords, where))
@@ -137,8 +159,12 @@ def _pack(rows: np.ndarray) -> str:
 
 
 def _unpack(text: str, rows: int, width: int) -> np.ndarray:
-    raw = zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
-    if len(raw) != rows * width * 8:
-        raise ValueError(f"a chunk map layout holds {len(raw)} bytes, expected {rows}x{width}")
+    """The rows of a layout; inflating stops at the bytes ``rows`` and ``width`` declare."""
+    expected = rows * width * 8
+    inflate = zlib.decompressobj()
+    packed = base64.b64decode(text.encode("ascii"), validate=True)
+    raw = inflate.decompress(packed, max(expected, 1))  # 0 would mean no limit
+    if len(raw) != expected or inflate.unconsumed_tail or not inflate.eof:
+        raise ValueError(f"a chunk map layout holds more or fewer bytes than {rows}x{width}")
     deltas = np.frombuffer(raw, dtype="<i8").reshape(rows, width)
     return np.cumsum(deltas, axis=0, dtype=np.int64)

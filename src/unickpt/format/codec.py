@@ -9,17 +9,34 @@ from __future__ import annotations
 import binascii
 import json
 import logging
+import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointVersionError
-from .chunk_map import ChunkMap, decode_chunk_map, encode_chunk_map
-from .dtypes import dtype_from_name, itemsize
+from .chunk_map import (
+    ChunkMap,
+    chunk_map_nbytes,
+    chunk_map_rows,
+    decode_chunk_map,
+    encode_chunk_map,
+)
+from .dtypes import check_dtype_name, dtype_from_name, itemsize
+from .limits import (
+    CHUNK_MAP_ROW_INDEX_BYTES,
+    MAX_CHUNK_MAP_BYTES,
+    MAX_NDIM,
+    MAX_TENSOR_BYTES,
+    MAX_WORLD_SIZE,
+    check_ndim,
+)
 from .metadata import (
+    ENCODING_BITS,
     FORMAT_NAME,
     FORMAT_VERSION,
+    ROWWISE_AFFINE,
     ChunkMeta,
     CommitRecord,
     Encoding,
@@ -27,12 +44,13 @@ from .metadata import (
     FileRef,
     Metadata,
     TensorMeta,
+    rowwise_stored_width,
 )
 from .references import FileLocation, FileTable
 
 INDEX_FORMAT = "unickpt-index"
 log = logging.getLogger(__name__)
-ENCODINGS = ("rowwise-affine",)
+ENCODINGS = (ROWWISE_AFFINE,)
 _ERROR = ("max_abs", "rms", "rms_relative")
 
 
@@ -84,12 +102,14 @@ def decode_metadata(raw: bytes, source: str) -> Metadata:
             )
             for f in doc["files"]
         )
-        tensors = {str(k): _decode_tensor(v) for k, v in doc["tensors"].items()}
+        tensors = {str(k): _decode_tensor(str(k), v, source) for k, v in doc["tensors"].items()}
+        references = tuple(str(s) for s in doc.get("references", []))
+        _check_stored_bytes(tensors, refs, references, source)
         segment = int(doc["segment_bytes"])
         if segment <= 0 or segment % 16:
             raise ValueError(f"segment_bytes is {segment}, expected a positive multiple of 16")
         return Metadata(
-            world_size=int(doc["world_size"]),
+            world_size=_world_size(doc["world_size"]),
             files=tuple(r.data for r in refs),
             tensors=tensors,
             objects=dict(doc["objects"]),
@@ -102,8 +122,8 @@ def decode_metadata(raw: bytes, source: str) -> Metadata:
             pickled_keys=tuple(str(k) for k in doc.get("pickled_keys", [])),
             file_refs=refs,
             aliases=_aliases(doc.get("aliases", {}), tensors),
-            references=tuple(str(s) for s in doc.get("references", [])),
-            chunk_map=_chunk_map(doc.get("chunk_map"), len(refs), tensors),
+            references=references,
+            chunk_map=_chunk_map(doc.get("chunk_map"), refs, tensors, source),
         )
     except (KeyError, TypeError, ValueError, AttributeError, zlib.error, binascii.Error) as e:
         raise CheckpointCorruptError(
@@ -112,10 +132,68 @@ def decode_metadata(raw: bytes, source: str) -> Metadata:
         ) from e
 
 
-def _chunk_map(doc: Any, files: int, tensors: dict[str, TensorMeta]) -> ChunkMap | None:
+def _world_size(value: Any) -> int:
+    world = int(value)
+    if not 1 <= world <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size is {world}, expected 1 to {MAX_WORLD_SIZE}")
+    return world
+
+
+def _check_stored_bytes(
+    tensors: dict[str, TensorMeta],
+    refs: Sequence[FileRef],
+    references: Sequence[str],
+    source: str,
+) -> None:
+    """Every stored element lies in a chunk of a data file: the tensors of a self-contained
+    checkpoint cannot need more bytes than its data files hold (a forged shape would otherwise
+    size a reader's buffers)."""
+    need = sum(_stored_bytes(k, t, source) for k, t in tensors.items())
+    have = sum(max(0, r.nbytes) for r in refs)
+    if need > have and not references:
+        raise CheckpointCorruptError(
+            f"{source}: the tensors' shapes need {need} bytes, but the data files the metadata "
+            f"lists hold {have}; the metadata is damaged. Load an earlier checkpoint."
+        )
+
+
+def _stored_bytes(key: str, t: TensorMeta, source: str) -> int:
+    size = math.prod(t.shape) * itemsize(dtype_from_name(t.dtype))
+    if size > MAX_TENSOR_BYTES:
+        raise CheckpointCorruptError(
+            f"{source}: '{key}' has shape {list(t.shape)} of {t.dtype}, {size} bytes, more than "
+            f"the {MAX_TENSOR_BYTES} bytes unickpt stores in one tensor; the metadata is "
+            "damaged. Load an earlier checkpoint."
+        )
+    return size
+
+
+def _chunk_map(
+    doc: Any, refs: Sequence[FileRef], tensors: dict[str, TensorMeta], source: str
+) -> ChunkMap | None:
     """The metadata's chunk map; None where it has none, or where its files or tensors are not
-    those of the metadata (readers then read every index, which says what is damaged)."""
+    those of the metadata (readers then read every index, which says what is damaged).
+
+    Its rows are bounded before anything is inflated: no more than the indexes can list (a
+    chunk takes more than ``CHUNK_MAP_ROW_INDEX_BYTES`` of an index), and no more than
+    ``MAX_CHUNK_MAP_BYTES`` decoded (a larger map is not used)."""
     if doc is None:
+        return None
+    files = len(refs)
+    index_bytes = sum(max(0, r.index_nbytes) for r in refs)
+    rows = chunk_map_rows(doc)
+    if rows > index_bytes // CHUNK_MAP_ROW_INDEX_BYTES:
+        raise CheckpointCorruptError(
+            f"{source}: the chunk map lists {rows} chunks, more than the {files} indexes of "
+            f"{index_bytes} bytes can list; the metadata is damaged. Load an earlier checkpoint."
+        )
+    decoded = chunk_map_nbytes(doc)
+    if decoded > MAX_CHUNK_MAP_BYTES:
+        log.warning(
+            "the chunk map decodes to %d bytes, more than the %d a reader uses; ignored",
+            decoded,
+            MAX_CHUNK_MAP_BYTES,
+        )
         return None
     found = decode_chunk_map(doc)
     fits = (
@@ -150,15 +228,49 @@ def _encode_tensor(t: TensorMeta) -> dict[str, Any]:
     return doc
 
 
-def _decode_tensor(doc: dict[str, Any]) -> TensorMeta:
+def _decode_tensor(key: str, doc: dict[str, Any], source: str) -> TensorMeta:
     encoding = doc.get("encoding")
-    return TensorMeta(
-        str(doc["dtype"]),
-        tuple(int(s) for s in doc["shape"]),
+    shape = _shape(doc["shape"], f"'{key}'", source)
+    t = TensorMeta(
+        check_dtype_name(str(doc["dtype"]), key, source),
+        shape,
         str(doc["layout"]),
         (),
-        None if encoding is None else decode_encoding(encoding),
+        None if encoding is None else decode_encoding(encoding, key, source),
     )
+    if t.encoding is not None:
+        _check_encoded_shape(key, t, t.encoding, source)
+    return t
+
+
+def _shape(doc: Any, what: str, source: str) -> tuple[int, ...]:
+    if not isinstance(doc, list):
+        raise TypeError(f"the shape of {what} is a {type(doc).__name__}, not a list")
+    check_ndim(len(doc), what, source)
+    shape = tuple(int(s) for s in doc)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"the shape of {what} is {list(shape)}")
+    return shape
+
+
+def _check_encoded_shape(key: str, t: TensorMeta, e: Encoding, source: str) -> None:
+    """An encoded table's decoded shape is what its stored rows encode: the same rows, and
+    stored rows as wide as the columns at ``bits`` need (its value bytes then stay within a
+    small multiple of its stored bytes, which the data files hold)."""
+    sound = (
+        e.bits in ENCODING_BITS
+        and len(e.shape) == 2
+        and len(t.shape) == 2
+        and t.dtype == "uint8"
+        and t.shape == (e.shape[0], rowwise_stored_width(e.shape[1], e.bits))
+    )
+    if not sound:
+        raise CheckpointCorruptError(
+            f"{source}: '{key}' is stored as {t.dtype} {list(t.shape)} with encoding {e.name} "
+            f"of {e.bits} bits of {list(e.shape)}; {e.bits}-bit rows of {list(e.shape)} are "
+            "stored as uint8 rows of a scale, a minimum and the codes. The metadata is "
+            "damaged. Load an earlier checkpoint."
+        )
 
 
 def encode_encoding(e: Encoding) -> dict[str, Any]:
@@ -174,7 +286,7 @@ def encode_encoding(e: Encoding) -> dict[str, Any]:
     return doc
 
 
-def decode_encoding(doc: dict[str, Any]) -> Encoding:
+def decode_encoding(doc: dict[str, Any], key: str = "?", source: str = "metadata") -> Encoding:
     if doc["name"] not in ENCODINGS:
         raise ValueError(
             f"encoding {doc['name']!r} is not one this unickpt knows ({', '.join(ENCODINGS)})"
@@ -183,9 +295,9 @@ def decode_encoding(doc: dict[str, Any]) -> Encoding:
     return Encoding(
         name=str(doc["name"]),
         bits=int(doc["bits"]),
-        dtype=str(doc["dtype"]),
-        shape=tuple(int(s) for s in doc["shape"]),
-        scale_dtype=str(doc.get("scale_dtype", "float32")),
+        dtype=check_dtype_name(str(doc["dtype"]), key, source),
+        shape=_shape(doc["shape"], f"the encoding of '{key}'", source),
+        scale_dtype=check_dtype_name(str(doc.get("scale_dtype", "float32")), key, source),
         error=None if error is None else EncodingError(**{k: float(error[k]) for k in _ERROR}),
     )
 
@@ -271,6 +383,8 @@ def decode_runs(
     row: list[Any], file: int, refs: list[FileLocation], files: FileTable | None
 ) -> list[tuple[str, ChunkMeta]]:
     key, offsets, lengths, row_bytes, rows, numbers, byte_offsets, checksums = row
+    if len(offsets) != len(lengths) or not 1 <= len(offsets) <= MAX_NDIM:
+        raise ValueError(f"the row runs of '{key}' have {len(offsets)} offsets and lengths")
     if not len(rows) == len(numbers) == len(byte_offsets) == len(checksums):
         raise ValueError(f"the row runs of '{key}' have lists of different lengths")
     if sum(int(n) for n in rows) != int(lengths[0]) or int(row_bytes) < 0:
@@ -279,8 +393,11 @@ def decode_runs(
     start = int(offsets[0])
     for n, number, at, sums in zip(rows, numbers, byte_offsets, checksums):
         text = str(sums)
-        if len(text) % _DIGEST_CHARS:
-            raise ValueError(f"the checksums of a row run of '{key}' are {len(text)} characters")
+        if len(text) % _DIGEST_CHARS or not text:
+            raise ValueError(
+                f"the checksums of a row run of '{key}' are {len(text)} characters, expected "
+                f"{_DIGEST_CHARS} per segment"
+            )
         ref = [] if int(number) == 0 else [int(number) - 1]
         chunk = ChunkMeta(
             offsets=(start, *(int(o) for o in offsets[1:])),
@@ -321,8 +438,10 @@ def decode_index(
             )
             if chunk.byte_offset < 0 or chunk.nbytes < 0:
                 raise ValueError(f"chunk of '{key}' at offset {chunk.byte_offset}")
-            if len(chunk.offsets) != len(chunk.lengths):
+            if len(chunk.offsets) != len(chunk.lengths) or len(chunk.offsets) > MAX_NDIM:
                 raise ValueError(f"chunk of '{key}' has {len(chunk.offsets)} offsets")
+            if not chunk.checksums:
+                raise no_checksums(str(key), source)
             out.append((str(key), chunk))
         for row in doc.get("runs", []):
             out.extend(decode_runs(row, file, refs, files))
@@ -332,6 +451,14 @@ def decode_index(
             f"{source}: the index is not well formed ({type(e).__name__}: {e}); the "
             "checkpoint is damaged. Load an earlier checkpoint."
         ) from e
+
+
+def no_checksums(key: str, source: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"{source}: the chunk of '{key}' has no checksums; expected one per segment. The index "
+        "is damaged (a chunk without checksums would load unverified). Load an earlier "
+        "checkpoint."
+    )
 
 
 def _file_number(
@@ -361,7 +488,8 @@ def assemble(meta: Metadata, indexes: Sequence[list[tuple[str, ChunkMeta]]]) -> 
                 )
             expected = chunk.box.numel * sizes[key]
             segments = max(1, -(-expected // meta.segment_bytes))
-            if chunk.nbytes != expected or (chunk.checksums and len(chunk.checksums) != segments):
+            _check_in_file(meta, key, chunk)
+            if chunk.nbytes != expected or len(chunk.checksums) != segments:
                 raise CheckpointCorruptError(
                     f"an index gives the chunk of '{key}' at {list(chunk.offsets)} {chunk.nbytes} "
                     f"bytes and {len(chunk.checksums)} checksums; its box and dtype need "
@@ -373,6 +501,20 @@ def assemble(meta: Metadata, indexes: Sequence[list[tuple[str, ChunkMeta]]]) -> 
         for k, t in meta.tensors.items()
     }
     return replace(meta, tensors=tensors)
+
+
+def _check_in_file(meta: Metadata, key: str, chunk: ChunkMeta) -> None:
+    """A chunk within the bytes the metadata gives its data file."""
+    if not meta.file_refs or not 0 <= chunk.file < len(meta.file_refs):
+        return  # a chunk of no listed file: the read reports it
+    size = meta.file_refs[chunk.file].nbytes
+    if chunk.byte_offset + chunk.nbytes > size:
+        raise CheckpointCorruptError(
+            f"an index places the chunk of '{key}' at {list(chunk.offsets)} at bytes "
+            f"{chunk.byte_offset} to {chunk.byte_offset + chunk.nbytes} of "
+            f"{meta.file_refs[chunk.file].data}, which the metadata gives {size} bytes; the "
+            "checkpoint is damaged (truncated). Load an earlier checkpoint."
+        )
 
 
 def encode_commit(record: CommitRecord) -> bytes:
@@ -405,12 +547,14 @@ def decode_commit(raw: bytes, source: str) -> CommitRecord:
 
 
 def load_json(raw: bytes, source: str) -> dict[str, Any]:
+    """The JSON object of a metadata, index or commit file; any bytes that are not one (not
+    UTF-8, not JSON, nested deeper than the parser goes) are damage named by ``source``."""
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError: ValueError
         raise CheckpointCorruptError(
             f"{source}: expected JSON written by unickpt, found {len(raw)} bytes that do not "
-            f"parse ({e}); the file is damaged. Load an earlier checkpoint."
+            f"parse ({type(e).__name__}: {e}); the file is damaged. Load an earlier checkpoint."
         ) from e
     if not isinstance(doc, dict):
         raise CheckpointCorruptError(f"{source}: expected a JSON object, found {type(doc)}.")

@@ -22,6 +22,24 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
+def known_dtype_names() -> tuple[str, ...]:
+    """The names of this torch's dtypes, as the metadata writes them."""
+    found = {dtype_name(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    return tuple(sorted(found))
+
+
+def check_dtype_name(name: str, key: str, source: str) -> str:
+    """``name`` where it names a dtype of this torch; damage otherwise (a reader would
+    otherwise ask for a state of that dtype)."""
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise CheckpointCorruptError(
+            f"{source}: the metadata names dtype {name!r} for '{key}'; known: "
+            f"{', '.join(known_dtype_names())}. The file is damaged or from a newer unickpt "
+            "(or torch): load an earlier checkpoint, or upgrade."
+        )
+    return name
+
+
 def itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 

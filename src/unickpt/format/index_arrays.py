@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointCorruptError
-from .codec import INDEX_FORMAT, check_header, decode_runs, load_json
+from .codec import INDEX_FORMAT, check_header, decode_runs, load_json, no_checksums
+from .limits import MAX_NDIM
 from .metadata import ChunkMeta
 from .references import FileLocation, FileTable
 
@@ -185,7 +186,7 @@ def decode_index_arrays(
         refs = [FileLocation(str(step), str(data)) for step, data in doc.get("refs", [])]
         rows = list(doc["chunks"])
         runs = [c for run in doc.get("runs", []) for c in decode_runs(run, file, refs, files)]
-        found = _decode(rows + [_row(k, c) for k, c in runs], file, refs, files)
+        found = _decode(rows + [_row(k, c) for k, c in runs], file, refs, files, source)
         if runs:  # numbered by decode_runs
             found.files[len(rows) :] = [c.file for _, c in runs]
         return found
@@ -201,7 +202,11 @@ def _row(key: str, c: ChunkMeta) -> list[Any]:
 
 
 def _decode(
-    rows: list[list[Any]], own: int, refs: list[FileLocation], files: FileTable | None
+    rows: list[list[Any]],
+    own: int,
+    refs: list[FileLocation],
+    files: FileTable | None,
+    source: str,
 ) -> IndexChunks:
     n = len(rows)
     if any(not 6 <= len(r) <= 7 for r in rows):
@@ -214,6 +219,9 @@ def _decode(
         r = rows[int(differ[0])]
         raise ValueError(f"chunk of '{r[0]}' has {len(r[1])} offsets and {len(r[2])} lengths")
     dims = int(ndims.max()) if n else 0
+    if dims > MAX_NDIM:  # rows are padded to the widest: bound it before allocating
+        r = rows[int(np.argmax(ndims))]
+        raise ValueError(f"chunk of '{r[0]}' has {dims} offsets, more than {MAX_NDIM}")
     if n and (ndims == dims).all():
         coords = np.array([r[1] + r[2] for r in rows], dtype=np.int64).reshape(n, 2 * dims)
     else:
@@ -230,6 +238,8 @@ def _decode(
     if any(not isinstance(r[5], list) for r in rows):
         raise TypeError("the checksums of a chunk are not a list")
     counts = np.fromiter((len(r[5]) for r in rows), np.int64, n)
+    if n and not counts.all():
+        raise no_checksums(str(rows[int(np.argmin(counts))][0]), source)
     sums = [str(c) for r in rows for c in r[5]]
     where = np.full(n, own, dtype=np.int64)
     numbers: dict[int, int] = {}

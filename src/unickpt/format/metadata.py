@@ -60,6 +60,17 @@ class EncodingError:
     rms_relative: float
 
 
+ROWWISE_AFFINE = "rowwise-affine"
+ENCODING_BITS = (4, 8)
+ROWWISE_HEADER_BYTES = 8
+
+
+def rowwise_stored_width(columns: int, bits: int) -> int:
+    """Bytes of one stored row of a ``rowwise-affine`` table: its float32 scale and minimum,
+    then one ``bits``-bit code per column (two per byte at 4 bits)."""
+    return ROWWISE_HEADER_BYTES + (columns if bits == 8 else (columns + 1) // 2)
+
+
 @dataclass(frozen=True)
 class Encoding:
     """How a tensor's stored bytes encode its values (the stored tensor is ``TensorMeta.dtype``

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import resource
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,19 @@ from tests.distributed import run_ranks
 pytestmark = pytest.mark.slow
 
 
-def _trainer(out: str, stop_at: int | None = None) -> Any:
+FILE_LIMIT_BYTES = 16 * 1024  # above trainer_state.json, below a rank's unickpt data file
+
+
+def _limit_file_size(limit: int) -> None:
+    """Files of this process may not grow past ``limit`` bytes (EFBIG): a full device."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, no signal
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+
+
+def _trainer(
+    out: str, stop_at: int | None = None, save_total_limit: int = 2, fail_from: int | None = None
+) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
     from unickpt.integrations.huggingface import UnickptTrainer
@@ -26,6 +41,8 @@ def _trainer(out: str, stop_at: int | None = None) -> Any:
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
             if stop_at is not None and state.global_step >= stop_at:
                 control.should_training_stop = True
+            if fail_from is not None and state.global_step == fail_from:
+                _limit_file_size(FILE_LIMIT_BYTES)  # this step's save will fail to write
             return control
 
     torch.manual_seed(0)
@@ -38,7 +55,7 @@ def _trainer(out: str, stop_at: int | None = None) -> Any:
         per_device_train_batch_size=2,
         max_steps=6,
         save_steps=2,
-        save_total_limit=2,
+        save_total_limit=save_total_limit,
         learning_rate=1e-3,
         use_cpu=True,
         seed=0,
@@ -86,6 +103,10 @@ def test_ddp_train_stop_resume_and_export(tmp_path: Path) -> None:
     for r in out:
         assert r["stopped"] == ["checkpoint-2", "checkpoint-4"]
         assert r["final"] == ["checkpoint-4", "checkpoint-6"]  # save_total_limit=2
+        assert r["warnings"] == [
+            f"not resuming from {tmp_path}/run/checkpoint-4: its unickpt checkpoint was never "
+            "committed (no unickpt/COMMIT); trying an older checkpoint"
+        ]
         assert r["step"] == 6
         assert all(r["same"])  # the resumed run ends bit for bit where the reference does
         assert r["exported_same"]
@@ -94,3 +115,74 @@ def test_ddp_train_stop_resume_and_export(tmp_path: Path) -> None:
     assert (ckpt / "unickpt" / "COMMIT").is_file()
     final = {p.name for p in (tmp_path / "final").iterdir()}
     assert {"config.json", "model.safetensors"} <= final
+
+
+def _committed(folder: str) -> list[str]:
+    return sorted(
+        name
+        for name in os.listdir(folder)
+        if os.path.isfile(os.path.join(folder, name, "unickpt", "COMMIT"))
+    )
+
+
+def _fail_save_of_step_4(rank: int, world: int, root: str) -> dict[str, Any]:
+    """save_total_limit=1, asynchronous saves: the save of step 4 fails in the background."""
+    os.environ.update(LOCAL_RANK=str(rank), HF_HUB_OFFLINE="1")
+    trainer = _trainer(f"{root}/run", save_total_limit=1, fail_from=4)
+    try:
+        trainer.train()
+        error = ""
+    except Exception as e:  # noqa: BLE001 - the failure is the result
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "left": sorted(os.listdir(f"{root}/run"))}
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _resume_after_failure(rank: int, world: int, root: str) -> dict[str, Any]:
+    os.environ.update(LOCAL_RANK=str(rank), HF_HUB_OFFLINE="1")
+    reference = _trainer(f"{root}/reference", save_total_limit=1)
+    reference.train()
+    records = _Records()
+    logging.getLogger("unickpt.integrations.huggingface").addHandler(records)
+    resumed = _trainer(f"{root}/run", save_total_limit=1)
+    resumed.train(resume_from_checkpoint=True)
+    same = [
+        torch.equal(a, b)
+        for a, b in zip(reference.model.parameters(), resumed.model.parameters(), strict=True)
+    ]
+    return {
+        "same": same,
+        "step": resumed.state.global_step,
+        "left": _committed(f"{root}/run"),
+        "warnings": records.messages,
+    }
+
+
+def test_save_total_limit_keeps_the_committed_checkpoint_when_an_async_save_fails(
+    tmp_path: Path,
+) -> None:
+    failed = run_ranks(2, _fail_save_of_step_4, str(tmp_path))
+    for r in failed:
+        assert "File too large" in r["error"]  # the failed save surfaces at the next save
+        assert r["left"] == ["checkpoint-2", "checkpoint-4"]
+    # the Trainer's rotation did not delete checkpoint-2 for a checkpoint-4 never committed
+    assert _committed(str(tmp_path / "run")) == ["checkpoint-2"]
+
+    resumed = run_ranks(2, _resume_after_failure, str(tmp_path))
+    for r in resumed:
+        assert r["warnings"] == [
+            f"not resuming from {tmp_path}/run/checkpoint-4: its unickpt checkpoint was never "
+            "committed (no unickpt/COMMIT); trying an older checkpoint"
+        ]
+        assert r["step"] == 6
+        assert all(r["same"])  # resumed from checkpoint-2, ends bit for bit with the reference
+        assert r["left"] == ["checkpoint-6"]  # rotated once step 6 was committed
+    assert sorted(os.listdir(tmp_path / "reference")) == ["checkpoint-6"]

@@ -17,29 +17,41 @@ and torch generators, as a :class:`unickpt.PerRank` value). ``trainer_state.json
 Trainer's own, so ``save_total_limit``, ``get_last_checkpoint`` and ``resume_from_checkpoint``
 work unchanged; a folder without ``unickpt`` (an ordinary Trainer checkpoint) resumes the
 Trainer's way. All ranks save together (the model's replicas are written once, split between
-the ranks). ``unickpt_async=True`` returns from a save after the snapshot. The final
-``save_model`` is the Trainer's: ``save_pretrained`` with the config.
+the ranks). ``unickpt_async=True`` returns from a save after the snapshot.
+
+``save_total_limit`` never costs the last committed checkpoint: with asynchronous saves the
+Trainer's rotation is held back until the newer checkpoint is committed (checked at every step
+end, at the next save and at the end of ``train``), and a save that fails leaves the older
+checkpoints in place. ``resume_from_checkpoint=True`` resumes from the newest complete
+checkpoint (committed, with its ``trainer_state.json``), skipping newer incomplete ones with a
+warning. The final ``save_model`` is the Trainer's: ``save_pretrained`` with the config.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
+import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from .. import api
 from ..engine.futures import SaveFuture
+from ..format.metadata import COMMIT_FILE
 from ..layouts.leaves import PerRank
 
 log = logging.getLogger(__name__)
 
 SUBFOLDER = "unickpt"
 PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
+TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
+_STEP = re.compile(rf"^{PREFIX}-(\d+)$")
 
 
 class UnickptTrainerMixin:
@@ -49,7 +61,23 @@ class UnickptTrainerMixin:
         super().__init__(*args, **kwargs)
         self.unickpt_async = unickpt_async
         self._unickpt_pending: SaveFuture | None = None
+        self._unickpt_rotation: str | None = None  # the run folder to rotate once committed
         self._unickpt_folder: str | None = None
+        trainer: Any = self
+        trainer.add_callback(_RotateWhenCommitted(self))
+
+    # -- train: resume from the newest complete checkpoint, end with the last one committed ----
+
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        trainer: Any = self
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(trainer.args.output_dir) or True
+        output = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        self.wait_for_checkpoint()
+        trainer.accelerator.wait_for_everyone()  # every rank returns with the rotation done
+        return output
 
     # -- save: the unickpt checkpoint first, then the Trainer's light files ----------------------
 
@@ -60,10 +88,18 @@ class UnickptTrainerMixin:
         self.wait_for_checkpoint()
         state = self._unickpt_state(with_training=not trainer.args.save_only_model)
         target = os.path.join(folder, SUBFOLDER)
-        if self.unickpt_async:
-            self._unickpt_pending = api.async_save(target, state, overwrite=True)
-        else:
+        if not self.unickpt_async:
             api.save(target, state, overwrite=True)
+            self._save_trainer_files(model, trial, folder)  # and rotates, the Trainer's way
+            return
+        self._unickpt_pending = api.async_save(target, state, overwrite=True)
+        with _rotation_held(trainer.args):  # nothing older goes before this one is committed
+            self._save_trainer_files(model, trial, folder)
+        self._unickpt_rotation = run_dir
+        self.rotate_if_committed()
+
+    def _save_trainer_files(self, model: Any, trial: Any, folder: str) -> None:
+        """The Trainer's own ``_save_checkpoint``: ``trainer_state.json`` and the rotation."""
         self._unickpt_folder = folder
         try:
             super()._save_checkpoint(model, trial)  # type: ignore[misc]
@@ -84,10 +120,39 @@ class UnickptTrainerMixin:
             super()._save_rng_state(output_dir)  # type: ignore[misc]
 
     def wait_for_checkpoint(self) -> None:
-        """Wait for the pending asynchronous save; re-raise its failure."""
+        """Wait for the pending asynchronous save; re-raise its failure (the older checkpoints
+        then stay); once it is committed, apply ``save_total_limit``."""
         pending, self._unickpt_pending = self._unickpt_pending, None
-        if pending is not None:
-            pending.wait()
+        run_dir, self._unickpt_rotation = self._unickpt_rotation, None
+        if pending is None:
+            return
+        pending.wait()
+        if run_dir is not None:
+            self._rotate(run_dir)
+
+    def rotate_if_committed(self) -> None:
+        """Apply ``save_total_limit`` if the pending save is committed; never waits or raises
+        for it (a failure is raised where every rank waits: the next save, the end of train)."""
+        pending = self._unickpt_pending
+        if pending is not None and pending.done() and pending.exception() is None:
+            self.wait_for_checkpoint()
+
+    def _rotate(self, run_dir: str) -> None:
+        trainer: Any = self
+        if not trainer.args.should_save:
+            return
+        legacy = getattr(super(), "_rotate_checkpoints", None)  # transformers 4
+        if legacy is not None:
+            legacy(use_mtime=False, output_dir=run_dir)
+            return
+        from transformers.trainer_utils import rotate_checkpoints
+
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=trainer.args.save_total_limit,
+            best_model_checkpoint=trainer.state.best_model_checkpoint,
+            use_mtime=True,  # as the Trainer's own call
+        )
 
     # -- resume ---------------------------------------------------------------------------------
 
@@ -140,6 +205,60 @@ class UnickptTrainerMixin:
 
 class UnickptTrainer(UnickptTrainerMixin, Trainer):
     """``transformers.Trainer`` whose checkpoints are unickpt checkpoints."""
+
+
+class _RotateWhenCommitted(TrainerCallback):
+    """At every step end: rotate as soon as the pending asynchronous save is committed."""
+
+    def __init__(self, trainer: UnickptTrainerMixin) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.trainer.rotate_if_committed()
+        return control
+
+
+@contextlib.contextmanager
+def _rotation_held(args: Any) -> Iterator[None]:
+    """The Trainer's ``_save_checkpoint`` rotates when ``save_total_limit`` is set: unset it."""
+    limit = args.save_total_limit
+    args.save_total_limit = None
+    try:
+        yield
+    finally:
+        args.save_total_limit = limit
+
+
+def last_complete_checkpoint(run_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` in ``run_dir`` that a resume can use: its
+    ``trainer_state.json`` written and its unickpt checkpoint committed (or, for an ordinary
+    Trainer checkpoint, none). Newer incomplete ones (a save that failed or was cut off) are
+    skipped with a warning; None if there is no complete one."""
+    for folder in _checkpoint_folders(run_dir):
+        missing = _missing(folder)
+        if missing is None:
+            return folder
+        log.warning("not resuming from %s: %s; trying an older checkpoint", folder, missing)
+    return None
+
+
+def _checkpoint_folders(run_dir: str) -> list[str]:
+    """``checkpoint-N`` folders, newest step first."""
+    if not os.path.isdir(run_dir):
+        return []
+    steps = [(int(m.group(1)), name) for name in os.listdir(run_dir) if (m := _STEP.match(name))]
+    folders = [os.path.join(run_dir, name) for _, name in sorted(steps, reverse=True)]
+    return [f for f in folders if os.path.isdir(f)]
+
+
+def _missing(folder: str) -> str | None:
+    """What keeps ``folder`` from being a complete checkpoint, or None."""
+    if not os.path.isfile(os.path.join(folder, TRAINER_STATE)):
+        return f"it has no {TRAINER_STATE}"
+    path = os.path.join(folder, SUBFOLDER)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, COMMIT_FILE)):
+        return f"its unickpt checkpoint was never committed (no {SUBFOLDER}/{COMMIT_FILE})"
+    return None
 
 
 def _unickpt_path(checkpoint: str | None) -> str | None:

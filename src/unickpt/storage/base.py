@@ -31,13 +31,19 @@ What every backend guarantees:
 - **Listings are read after writes**: a name written (or removed) before a listing starts is
   (or is not) in it. Folders appear in ``list_names`` of their parent; on object stores a
   folder exists once it holds an object.
-- **A data file is all or nothing**: after ``abort`` nothing of it is left under its name.
+- **A data file is all or nothing**: until ``complete`` returns, nothing of it is under its
+  name (file systems write it under a temporary name, see :func:`temp_name`, and rename it in
+  ``complete``; object stores show it when its upload completes); after ``abort`` nothing of
+  it is left at all. A writer killed mid-file leaves only a temporary file, which no listing
+  shows; the next writer's lock of the folder removes it, and so does the removal of a step
+  folder as a whole.
 """
 
 from __future__ import annotations
 
 import re
 import threading
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from itertools import accumulate
@@ -45,6 +51,19 @@ from itertools import accumulate
 from ..errors import CheckpointCorruptError, CheckpointError
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
+_TEMP = re.compile(r"^\..+\.([0-9a-f]{12}\.part|[0-9a-f]{8}\.tmp)$")
+
+
+def temp_name(name: str, small: bool = False) -> str:
+    """A fresh temporary name in the same folder for file ``name`` while it is written:
+    ``.<name>.<12 hex>.part`` for a data file, ``.<name>.<8 hex>.tmp`` for a small one."""
+    tag = uuid.uuid4().hex
+    return f".{name}.{tag[:8]}.tmp" if small else f".{name}.{tag[:12]}.part"
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is one of :func:`temp_name`'s (listings leave them out)."""
+    return _TEMP.fullmatch(name) is not None
 
 
 def check_name(name: str) -> str:

@@ -3,10 +3,15 @@
 What this backend promises is less than the local one (see docs/storage.md):
 
 - no fsync: a completed file is as durable as the file system makes a closed file;
-- no atomic rename: a small file is written with one ``pipe_file`` call, atomic where the file
-  system's single write is (object stores, memory) and not on file systems reached through
-  fsspec, where a crash can leave a torn small file (its checksum then fails);
-- no lock: two writers on one folder are not refused;
+- files are written under a temporary name (:func:`~.base.temp_name`) and moved onto their
+  name once closed, so a writer killed mid-file leaves nothing under the file's name (and
+  listings never show temporary names); except on object stores (``s3``, ``gs``, ``az`` ...),
+  where an object appears whole when its upload closes and a move would copy it. The move is
+  atomic where the file system's rename is (``file://``); elsewhere it is a copy then a
+  delete;
+- no lock: two writers on one folder are not refused, and the temporary files of a killed
+  writer stay until its folder is removed as a whole (a Checkpointer's debris removal of an
+  unfinished step folder does that);
 - data files are written in order, one stream per file: parts that arrive early are held in
   memory (at most ``max_buffered_bytes`` per file, then their writers wait their turn).
 """
@@ -21,12 +26,20 @@ from typing import Any
 import fsspec
 
 from ..errors import CheckpointCorruptError, CheckpointError
-from .base import Storage, WriteHandle, check_name
+from .base import Storage, WriteHandle, check_name, is_temp_name, temp_name
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 DEFAULT_MAX_BUFFERED_BYTES = 256 * MiB
+_WHOLE_ON_CLOSE = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+
+
+def appears_whole(fs: Any) -> bool:
+    """Whether ``fs`` is an object store, where a file written appears only when closed,
+    whole (so it needs no temporary name, and a move would copy it)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return any(p in _WHOLE_ON_CLOSE for p in protocols)
 
 
 def _fs_error(e: Exception, what: str) -> CheckpointError:
@@ -37,10 +50,18 @@ class _SequentialWriteHandle(WriteHandle):
     """Parts written to one fsspec stream in index order; early parts held, bounded."""
 
     def __init__(
-        self, fs: Any, path: str, location: str, part_sizes: Sequence[int], max_buffered: int
+        self,
+        fs: Any,
+        path: str,
+        location: str,
+        part_sizes: Sequence[int],
+        max_buffered: int,
+        final: str | None = None,
     ) -> None:
+        """Write to ``path``; ``final``: the name it is moved to once complete (None: stays)."""
         super().__init__(location, part_sizes, 0)
-        self._fs, self._path = fs, path
+        self._fs, self._path, self._final = fs, path, final
+        self._moved = False
         self._max_buffered = max_buffered
         self._next = 0
         self._held: dict[int, list[bytes]] = {}
@@ -83,6 +104,9 @@ class _SequentialWriteHandle(WriteHandle):
             raise AssertionError(f"{self.location}: completed with parts missing")
         try:
             self._file.close()
+            if self._final is not None:
+                self._fs.mv(self._path, self._final)
+                self._moved = True
         except Exception as e:
             raise _fs_error(e, f"closing {self.location}") from e
 
@@ -91,7 +115,7 @@ class _SequentialWriteHandle(WriteHandle):
         with contextlib.suppress(Exception):
             self._file.close()
         with contextlib.suppress(FileNotFoundError):
-            self._fs.rm_file(self._path)
+            self._fs.rm_file(self._final if self._moved and self._final else self._path)
 
 
 class FsspecStorage(Storage):
@@ -115,6 +139,8 @@ class FsspecStorage(Storage):
         self.fs = fs
         self.path = str(url).rstrip("/") or "/"
         self.max_buffered_bytes = max_buffered_bytes
+        self.renames = not appears_whole(fs)
+        """Whether files are written under a temporary name and moved onto their own."""
         self._made = False
 
     @property
@@ -151,7 +177,8 @@ class FsspecStorage(Storage):
             return []
         own = self.path.rstrip("/")
         paths = (str(self.fs._strip_protocol(e)).rstrip("/") for e in entries)
-        return sorted({p.rsplit("/", 1)[-1] for p in paths if p != own})
+        names = {p.rsplit("/", 1)[-1] for p in paths if p != own}
+        return sorted(n for n in names if not is_temp_name(n))
 
     def size(self, name: str) -> int | None:
         try:
@@ -187,16 +214,27 @@ class FsspecStorage(Storage):
     def write_atomic(self, name: str, data: bytes) -> None:
         path = self._full(name)
         self._ensure_root()
+        temp = self._full(temp_name(name, small=True)) if self.renames else path
         try:
-            self.fs.pipe_file(path, bytes(data))
+            self.fs.pipe_file(temp, bytes(data))
+            if temp != path:
+                self.fs.mv(temp, path)
         except Exception as e:
+            with contextlib.suppress(Exception):
+                if temp != path:
+                    self.fs.rm_file(temp)
             raise _fs_error(e, f"writing {self.location}/{name}") from e
 
     def create(self, name: str, part_sizes: Sequence[int]) -> WriteHandle:
         path = self._full(name)
         self._ensure_root()
         where = f"{self.location}/{name}"
-        return _SequentialWriteHandle(self.fs, path, where, part_sizes, self.max_buffered_bytes)
+        if not self.renames:
+            return _SequentialWriteHandle(self.fs, path, where, part_sizes, self.max_buffered_bytes)
+        temp = self._full(temp_name(name))
+        return _SequentialWriteHandle(
+            self.fs, temp, where, part_sizes, self.max_buffered_bytes, final=path
+        )
 
     def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):

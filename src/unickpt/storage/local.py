@@ -5,18 +5,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import shutil
 import socket
 import stat
 import threading
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointLockedError
-from .base import Storage, WriteHandle, check_name
+from .base import Storage, WriteHandle, check_name, is_temp_name, temp_name
+
+log = logging.getLogger(__name__)
 
 _IOV_MAX = 1024
 _HUGE = 2 * 1024 * 1024  # a multiple of every allocation granularity Linux has
@@ -108,17 +110,29 @@ def _mounted_type(dev: int) -> str:
 
 
 class LocalWriteHandle(WriteHandle):
+    """A data file written under a temporary name in its folder (:func:`temp_name`) through
+    one descriptor, parts with ``pwritev`` from many threads at once; on completion fsynced,
+    renamed onto its name and the folder fsynced. Until then nothing is under its name.
+
+    ``overwrite``: an existing file at ``path`` (a spare whose pages are reused) is moved to
+    the temporary name and written over in place; every byte of the new file is written, so
+    nothing of the old one remains readable.
+    """
+
     def __init__(self, path: Path, part_sizes: Sequence[int], overwrite: bool = False) -> None:
         super().__init__(str(path), part_sizes, 0)
         self._path = path
-        # ``overwrite``: an existing file is written over in place, its pages kept (every byte
-        # of the new file is written, so nothing of the old one remains readable).
-        keep = 0 if overwrite else os.O_TRUNC
+        self._temp = path.with_name(temp_name(path.name))
+        self._fd = -1
+        self._renamed = False
         try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | keep, 0o644)
-            if self.nbytes > 0 or overwrite:
+            reused = overwrite and _move(path, self._temp)
+            flags = os.O_WRONLY | os.O_CREAT | (0 if reused else os.O_EXCL)
+            self._fd = os.open(self._temp, flags, 0o644)
+            if self.nbytes > 0 or reused:
                 os.ftruncate(self._fd, self.nbytes)
         except OSError as e:
+            self._discard()
             raise _os_error(e, f"creating {path}") from e
 
     def _write_part(self, index: int, buffers: list[memoryview]) -> None:
@@ -130,23 +144,43 @@ class LocalWriteHandle(WriteHandle):
     def _complete(self) -> None:
         try:
             os.fsync(self._fd)
+            self._close()
+            os.replace(self._temp, self._path)
+            self._renamed = True
+            fsync_dir(self._path.parent)
         except OSError as e:
             raise _os_error(e, f"flushing {self._path}") from e
-        os.close(self._fd)
+
+    def _close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def _discard(self) -> None:
         with contextlib.suppress(OSError):
-            os.close(self._fd)
-        self._path.unlink(missing_ok=True)
+            self._close()
+        with contextlib.suppress(OSError):
+            (self._path if self._renamed else self._temp).unlink(missing_ok=True)
+
+
+def _move(src: Path, dst: Path) -> bool:
+    """Rename ``src`` to ``dst``; False when there is no ``src``."""
+    try:
+        os.replace(src, dst)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 class LocalStorage(Storage):
     """Files in one folder, created (parents fsynced) on first write; names never escape it.
 
-    Data files are written in place with ``pwritev`` (parts from many threads at once) and
-    fsynced on completion; small files go to a temporary name, are fsynced, renamed over the
-    old one and the folder fsynced. The lock is ``flock`` on ``LOCK``, released by the kernel
-    when the holder dies.
+    Data files are written under a temporary name with ``pwritev`` (parts from many threads
+    at once), fsynced on completion and renamed onto their name; small files go to a temporary
+    name too, are fsynced and renamed over the old one; the folder is fsynced after each
+    rename. Listings never show temporary names. The lock is ``flock`` on ``LOCK``, released
+    by the kernel when the holder dies; taking it removes the temporary files a killed writer
+    left in the folder.
     """
 
     maps_files = True
@@ -238,7 +272,7 @@ class LocalStorage(Storage):
     def write_atomic(self, name: str, data: bytes) -> None:
         self.ensure_root()
         final = self._path(name)
-        tmp = self.root / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp = self.root / temp_name(check_name(name), small=True)
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -258,7 +292,7 @@ class LocalStorage(Storage):
 
     def list_names(self) -> list[str]:
         try:
-            return sorted(os.listdir(self.root))
+            return sorted(n for n in os.listdir(self.root) if not is_temp_name(n))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
@@ -297,12 +331,22 @@ class LocalStorage(Storage):
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        self._remove_temp_files()
 
         def release() -> None:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
         return release
+
+    def _remove_temp_files(self) -> None:
+        """Delete the temporary files of writers that died mid-file (called under the lock:
+        no live writer of the folder has any)."""
+        for name in os.listdir(self.root):
+            if is_temp_name(name):
+                log.info("removing %s, left by a writer that did not finish", self.root / name)
+                with contextlib.suppress(FileNotFoundError):
+                    (self.root / name).unlink()
 
     def close(self) -> None:
         with self._lock:

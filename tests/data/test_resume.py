@@ -182,3 +182,28 @@ def test_stream_yields_int64_samples_across_file_ends(tmp_path: Path) -> None:
     assert all(s.dtype == torch.int64 for s in samples)
     assert torch.equal(torch.cat(samples), torch.arange(80))
     assert stream.carried.tolist() == list(range(80, 87))
+
+
+def test_stream_redistributes_carried_tokens_and_cursors(tmp_path: Path) -> None:
+    """Two ranks over two int32 files of 10 tokens: rank 0 read its file to the end (2 tokens
+    carried), rank 1 one sample of its own; on 3 ranks, rank 0 takes the carried tokens and
+    the file left, and goes on with them."""
+    paths = [str(tmp_path / f"big-{i}.bin") for i in range(2)]
+    for i, p in enumerate(paths):
+        np.arange(100_000 * i, 100_000 * i + 10, dtype=np.int32).tofile(p)
+    first, second = (
+        ShardedStream(paths, rank=r, world_size=2, tokens_per_sample=4, dtype=np.int32)
+        for r in range(2)
+    )
+    assert [s.tolist() for s in first] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert next(iter(second)).tolist() == [100_000, 100_001, 100_002, 100_003]
+    saved = [s.state_dict()["position"].value for s in (first, second)]
+    parts = [unickpt.data.redistribute(saved, 3, r) for r in range(3)]
+    assert [p["cursors"] for p in parts] == [[[paths[1], 4, 10]], [], []]
+    assert [p["carried"].tolist() for p in parts] == [[8, 9], [], []]
+    resumed = ShardedStream(paths, rank=0, world_size=3, tokens_per_sample=4, dtype=np.int32)
+    resumed.load_state_dict({"position": unickpt.PerRank(parts[0])})
+    assert [s.tolist() for s in resumed] == [
+        [8, 9, 100_004, 100_005],
+        [100_006, 100_007, 100_008, 100_009],
+    ]

@@ -1,13 +1,14 @@
 """A streaming reader of token files sharded by file over ranks, resumable on any world size.
 
-Each rank reads whole source files (file ``i`` goes to rank ``i % world_size`` at the start), one
-after the other, and cuts their tokens into samples of ``tokens_per_sample``; the tokens at the
-end of a file that do not fill a sample are carried into the next one. A rank's state is a
-cursor per source file it reads (its path, the tokens read, its length) and the carried tokens.
-It is saved as a :class:`unickpt.PerRank` value whose function, :func:`redistribute`, spreads the
-cursors and carried tokens of every saving rank over the loading ranks when the world size
-changed: every token of the sources is yielded once over the whole run, whatever the world
-sizes.
+Each rank reads whole source files (file ``i`` goes to rank ``i % world_size`` at the start),
+one after the other, and cuts their tokens into samples of ``tokens_per_sample``, a sample
+running from the end of one file into the next. The tokens a rank read but did not yield are
+carried: once its files are read to their end, the last ones, too few for a sample, and after a
+resize the carried tokens it took over. A rank's state is a cursor per source file it reads (its
+path, the tokens read, its length) and the carried tokens. It is saved as a
+:class:`unickpt.PerRank` value whose function, :func:`redistribute`, spreads the cursors and
+carried tokens of every saving rank over the loading ranks when the world size changed: over
+the whole run no token is skipped or yielded twice, whatever the world sizes.
 """
 
 from __future__ import annotations

@@ -325,13 +325,6 @@ def _reshard_value(
     """A PerRank value through its own function (see :mod:`unickpt.planning.per_rank`)."""
     assert callable(holder.on_world_change)
     got = reshard(meta, key, holder.on_world_change, comm.world_size, comm.rank, allow_pickle)
-    if got is None:
-        warnings.warn(
-            f"'{key}': {_per_rank_story(meta, key, comm.world_size)}; every rank keeps its "
-            "current value.",
-            stacklevel=7,
-        )
-        return
     holder.value = got.value
     if got.missing:
         warnings.warn(missing_warning(meta, key, got.missing, comm.world_size), stacklevel=7)

@@ -44,13 +44,10 @@ def reshard(
     world_size: int,
     rank: int,
     allow_pickle: bool,
-) -> Resharded | None:
-    """``fn(saved values, world_size, rank)``, or None where no saving rank held a value (the
-    rank keeps its current one). An error of ``fn`` is raised as a :class:`CheckpointError`
-    naming the key."""
+) -> Resharded:
+    """``fn(saved values, world_size, rank)``; an error of ``fn`` is raised as a
+    :class:`CheckpointError` naming the key."""
     held = holders(meta, key)
-    if not held:
-        return None
     saved = [decode_value(meta.per_rank_value(key, r)[1], key, allow_pickle) for r in held]
     try:
         value = fn(saved, world_size, rank)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 pytest.importorskip("lightning", reason="needs Lightning: pip install 'unickpt[lightning]'")
 
 from tests.distributed import run_ranks
+from unickpt.errors import CheckpointNotFoundError
 from unickpt.tools import inspect_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -47,7 +49,9 @@ def _data() -> Any:
     return torch.utils.data.DataLoader(data, batch_size=2)  # 4 steps an epoch on each of 2 ranks
 
 
-def _fit(folder: str, epochs: int, async_save: bool, resume: str | None = None) -> Any:
+def _fit(
+    folder: str, epochs: int, async_save: bool, resume: str | None = None, unickpt: bool = True
+) -> Any:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -59,7 +63,7 @@ def _fit(folder: str, epochs: int, async_save: bool, resume: str | None = None) 
         devices=2,
         strategy="ddp",
         max_epochs=epochs,
-        plugins=[UnickptCheckpointIO(async_save=async_save)],
+        plugins=[UnickptCheckpointIO(async_save=async_save)] if unickpt else [],
         callbacks=[ModelCheckpoint(dirpath=folder, save_top_k=-1, save_last=True)],
         logger=False,
         enable_progress_bar=False,
@@ -72,9 +76,9 @@ def _fit(folder: str, epochs: int, async_save: bool, resume: str | None = None) 
 def _fit_stop_resume(rank: int, world: int, root: str) -> dict[str, Any]:
     os.environ["LOCAL_RANK"] = str(rank)
     _, reference = _fit(f"{root}/reference", 3, async_save=False)
-    _fit(f"{root}/run", 2, async_save=True)  # stopped after epoch 2
+    _fit(f"{root}/run", 2, async_save=True, resume="last")  # a first run; stopped after epoch 2
     files = sorted(os.listdir(f"{root}/run"))
-    trainer, resumed = _fit(f"{root}/run", 3, async_save=True, resume=f"{root}/run/last.ckpt")
+    trainer, resumed = _fit(f"{root}/run", 3, async_save=True, resume="last")  # resumes
     io = trainer.strategy.checkpoint_io
     loaded = io.load_checkpoint(f"{root}/run/epoch=1-step=8.ckpt")
     same = [torch.equal(a, b) for a, b in zip(reference.parameters(), resumed.parameters())]
@@ -98,6 +102,71 @@ def test_ddp_fit_stop_resume_through_unickpt(tmp_path: Path) -> None:
         assert r["lr"] == pytest.approx([1e-2 * 0.9**2])
         assert r["param_keys"] == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
     assert (tmp_path / "run" / "last.ckpt" / "COMMIT").is_file()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _resume_from_torch_save(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A run before the switch wrote torch.save files; the run with the plugin resumes one."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    _, reference = _fit(f"{root}/run", 3, async_save=False, unickpt=False)
+    before = {name: os.path.isfile(f"{root}/run/{name}") for name in os.listdir(f"{root}/run")}
+    records = _Records()
+    logging.getLogger("unickpt.integrations.lightning").addHandler(records)
+    old = f"{root}/run/epoch=1-step=8.ckpt"
+    _, resumed = _fit(f"{root}/run", 3, async_save=True, resume=old)
+    same = [torch.equal(a, b) for a, b in zip(reference.parameters(), resumed.parameters())]
+    after = {name: os.path.isdir(f"{root}/run/{name}") for name in os.listdir(f"{root}/run")}
+    return {"same": same, "warnings": records.messages, "before": before, "after": after}
+
+
+def test_fit_resumes_a_torch_save_checkpoint_with_a_warning(tmp_path: Path) -> None:
+    out = run_ranks(2, _resume_from_torch_save, str(tmp_path))
+    old = tmp_path / "run" / "epoch=1-step=8.ckpt"
+    for r in out:
+        assert r["same"] == [True] * 4  # resumed from the torch.save file, bit for bit
+        assert r["warnings"] == [
+            f"{old} is a torch.save checkpoint, not a unickpt checkpoint folder: loading it "
+            "with Lightning's TorchCheckpointIO; the next save at this name is a unickpt "
+            "checkpoint"
+        ]
+        names = ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"]
+        assert r["before"] == dict.fromkeys(names, True)  # files, written by torch.save
+    # the resumed run wrote its epoch (Lightning gives the taken name a version) and its last
+    # checkpoint (over the file) as unickpt folders
+    folders = ["epoch=2-step=12-v1.ckpt", "last.ckpt"]
+    assert out[0]["after"] == {**dict.fromkeys(names[:3], False), **dict.fromkeys(folders, True)}
+
+
+def test_load_refuses_what_is_no_checkpoint_with_what_it_found(tmp_path: Path) -> None:
+    from unickpt.integrations.lightning import UnickptCheckpointIO
+
+    io = UnickptCheckpointIO()
+    junk = tmp_path / "notes.ckpt"
+    junk.write_text("a text file")
+    with pytest.raises(
+        CheckpointNotFoundError,
+        match=r"notes.ckpt is not a unickpt checkpoint: it is a file, and not one torch.save",
+    ):
+        io.load_checkpoint(junk)
+    dcp = tmp_path / "dcp.ckpt"  # a folder of another format
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"")
+    (dcp / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(
+        CheckpointNotFoundError,
+        match=r"dcp.ckpt is not a unickpt checkpoint: it has no COMMIT marker \(found .metadata",
+    ):
+        io.load_checkpoint(dcp)
+    with pytest.raises(CheckpointNotFoundError, match=r"nothing is at .*missing.ckpt; expected"):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
 
 
 def _sharded_module() -> Any:

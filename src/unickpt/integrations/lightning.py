@@ -4,14 +4,19 @@ The one-line switch::
 
     from unickpt.integrations.lightning import UnickptCheckpointIO
 
-    trainer = L.Trainer(plugins=[UnickptCheckpointIO()])            # or (async_save=True)
-    trainer.fit(model, ckpt_path="checkpoints/epoch=0-step=100.ckpt")  # resumes through it
+    trainer = L.Trainer(
+        plugins=[UnickptCheckpointIO()],                    # or (async_save=True)
+        callbacks=[ModelCheckpoint(dirpath="checkpoints", save_last=True)],
+    )
+    trainer.fit(model, ckpt_path="last")  # the first run starts fresh, later ones resume
 
 What it maps: every checkpoint Lightning writes (``ModelCheckpoint``'s ``*.ckpt``, ``last.ckpt``,
 ``trainer.save_checkpoint``) becomes a unickpt checkpoint folder at that path, holding Lightning's
 whole checkpoint dict (model ``state_dict``, ``optimizer_states``, ``lr_schedulers``, loops,
 callbacks, hyperparameters; see :mod:`unickpt.integrations.nested`). ``remove_checkpoint``
-deletes the folder. With ``async_save=True`` the save returns after the snapshot and is written,
+deletes the folder. A ``torch.save`` file (a checkpoint of a run before the switch) is loaded
+with Lightning's own reader and a warning; anything else is refused as "not a unickpt
+checkpoint". With ``async_save=True`` the save returns after the snapshot and is written,
 checksummed and committed in the background; the next save, a removal, a load and the end of
 training wait for it.
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +46,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from .. import api
 from ..engine.futures import SaveFuture
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError
 from .nested import from_state, load_nested, save_nested, template, to_state
 
 log = logging.getLogger(__name__)
@@ -83,12 +89,17 @@ class UnickptCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        """Load a unickpt checkpoint folder; a ``torch.save`` file (a checkpoint written
+        before the switch) is read by Lightning's own ``TorchCheckpointIO``, with a warning."""
         self.wait()
         target = Path(path)
-        if not target.is_dir():
-            raise FileNotFoundError(
-                f"Checkpoint not found: {target} is not a unickpt checkpoint folder "
-                f"({'a file' if target.is_file() else 'nothing'} is there)."
+        if target.is_file():
+            return _load_torch_file(target, map_location, weights_only)
+        if not target.exists():
+            raise CheckpointNotFoundError(
+                f"Checkpoint not found: nothing is at {target}; expected a unickpt checkpoint "
+                "folder (or a torch.save file). Check the path, or resume with "
+                'ckpt_path="last" (which starts from scratch when there is no checkpoint yet).'
             )
         allow = self.allow_pickle and weights_only is not True
         loaded = load_nested(target, group=self._own_group(), allow_pickle=allow)
@@ -190,6 +201,34 @@ class UnickptModelParallelStrategy(ModelParallelStrategy):
     def _live_state(self) -> dict[str, Any]:
         optimizers = {f"optimizer_{i}": _inner(o) for i, o in enumerate(self.optimizers)}
         return {"state_dict": self.model, **optimizers}
+
+
+def _load_torch_file(path: Path, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+    """A ``torch.save`` checkpoint, read the way Lightning reads it without the plugin."""
+    if not _is_torch_file(path):
+        raise CheckpointNotFoundError(
+            f"{path} is not a unickpt checkpoint: it is a file, and not one torch.save wrote "
+            "either (no zip archive or pickle header); expected a unickpt checkpoint folder "
+            "written by UnickptCheckpointIO, or a torch.save file. Check the path."
+        )
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    log.warning(
+        "%s is a torch.save checkpoint, not a unickpt checkpoint folder: loading it with "
+        "Lightning's TorchCheckpointIO; the next save at this name is a unickpt checkpoint",
+        path,
+    )
+    kwargs = {} if map_location is None else {"map_location": map_location}
+    loaded = TorchCheckpointIO().load_checkpoint(path, weights_only=weights_only, **kwargs)
+    return dict(loaded)
+
+
+def _is_torch_file(path: Path) -> bool:
+    """torch.save writes a zip archive, or (legacy format) a pickle: protocol 2 or later."""
+    if zipfile.is_zipfile(path):
+        return True
+    with path.open("rb") as f:
+        return f.read(1) == b"\x80"
 
 
 def _inner(optimizer: Any) -> Any:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 import unickpt
+from unickpt.cli.main import main
+from unickpt.errors import UnsafeObjectError
 from unickpt.tools import import_dcp
 
+from .forged_pickle import FORGERIES, forge_metadata
 from .helpers import assert_bitwise, assert_same, make_model, zeros_like
 
 
@@ -49,3 +53,52 @@ def test_dcp_import_progress_covers_reading_then_saving(tmp_path: Path) -> None:
     done = [d for d, _ in calls]
     assert done == sorted(done) and calls[-1][0] == calls[-1][1]
     assert {t for _, t in calls} == {2 * (300 * 200 * 4 + 7 * 8)}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("how", list(FORGERIES))
+def test_forged_metadata_runs_no_code(
+    tmp_path: Path, how: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DCP pickles its .metadata: a forged one is refused, naming what it would have built,
+    before anything of it runs; the CLI says the same."""
+    state = {"w": torch.randn(4, 3), "step": 3}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    marker = tmp_path / "ran"
+    forge_metadata(tmp_path / "dcp", how, marker)
+    with pytest.raises(UnsafeObjectError) as info:
+        import_dcp(tmp_path / "dcp", tmp_path / "c")
+    message = str(info.value)
+    assert f"asks pickle to build {FORGERIES[how]}, which DCP metadata does not hold" in message
+    assert "Pass --allow-pickle (allow_pickle=True) only if you trust" in message
+    assert not marker.exists(), "the forged metadata ran code"
+    assert not (tmp_path / "c").exists()
+    assert main(["convert", str(tmp_path / "dcp"), str(tmp_path / "c"), "--from", "dcp"]) != 0
+    assert f"build {FORGERIES[how]}" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_real_metadata_reads_with_only_dcp_classes(tmp_path: Path) -> None:
+    """Every class real DCP metadata holds (dtypes, layouts, paths, storage info) is allowed:
+    the import is bitwise, with and without pickle allowed."""
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8]
+    dtypes += [torch.uint8, torch.int16, torch.int64, torch.bool, torch.complex64]
+    state: dict[str, Any] = {f"t{i}": torch.ones(3, 2).to(d) for i, d in enumerate(dtypes)}
+    state["f8"] = torch.randn(5).to(torch.float8_e4m3fn)
+    state["big"] = torch.randn(300, 200)
+    state["empty"] = torch.zeros(0, 3)
+    state["scalar"] = torch.tensor(2.5)
+    model = make_model(3)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 6)).sum().backward()
+    optimizer.step()
+    state["optim"] = optimizer.state_dict()
+    state["misc"] = {"lst": [1, {"q": "s"}], "b": b"x", "f": 1.5, "n": None, "t": (1, 2)}
+    dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    for allow in (False, True):
+        target = tmp_path / f"c{allow}"
+        import_dcp(tmp_path / "dcp", target, allow_pickle=allow)
+        dest = zeros_like(state)
+        unickpt.load(target, dest)
+        assert_same(dest, state)

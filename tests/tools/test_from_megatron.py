@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -7,12 +8,13 @@ import torch
 
 import unickpt
 from tests.distributed import run_ranks
-from unickpt.errors import CheckpointError, CheckpointNotFoundError
+from unickpt.errors import CheckpointError, CheckpointNotFoundError, UnsafeObjectError
 from unickpt.tools import import_checkpoint
 from unickpt.tools.convert import ConvertOptions
 
 pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'unickpt[megatron]'")
 
+from .forged_pickle import FORGERIES, forge_metadata
 from .megatron_job import full_tensors, save_megatron
 
 
@@ -50,3 +52,21 @@ def test_not_megatron(tmp_path: Path) -> None:
     (tmp_path / "metadata.json").write_text('{"sharded_backend": "zarr"}')
     with pytest.raises(CheckpointError, match="'zarr' backend"):
         import_checkpoint(tmp_path, tmp_path / "c", "megatron", ConvertOptions())
+
+
+@pytest.mark.parametrize("how", list(FORGERIES))
+def test_forged_metadata_runs_no_code(megatron_checkpoint: Path, tmp_path: Path, how: str) -> None:
+    """The torch_dist backend's .metadata is DCP's pickle: a forged one is refused, naming
+    what it would have built, before anything of it runs (its real one, planner data
+    included, imports without --allow-pickle: see above)."""
+    src = tmp_path / "iter"
+    shutil.copytree(megatron_checkpoint, src)
+    marker = tmp_path / "ran"
+    forge_metadata(src, how, marker)
+    with pytest.raises(UnsafeObjectError) as info:
+        import_checkpoint(src, tmp_path / "c", "megatron", ConvertOptions())
+    message = str(info.value)
+    assert f"asks pickle to build {FORGERIES[how]}, which DCP metadata does not hold" in message
+    assert "Pass --allow-pickle (allow_pickle=True) only if you trust" in message
+    assert not marker.exists(), "the forged metadata ran code"
+    assert not (tmp_path / "c").exists()

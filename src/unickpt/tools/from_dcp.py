@@ -2,8 +2,9 @@
 
 DCP's own reader loads the tensors, a group of at most ``group_bytes`` at a time, into a
 scratch file next to the destination (:class:`unickpt.tools.spool.Spool`); the save then reads
-them memory-mapped. Non-tensor entries are read with ``torch.load(weights_only=True)`` unless
-pickle is allowed.
+them memory-mapped. DCP pickles its ``.metadata``: it is read with only the classes DCP
+metadata holds (:mod:`.safe_unpickle`), and non-tensor entries with
+``torch.load(weights_only=True)``, unless pickle is allowed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
+    StorageMeta,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import ReadItem
@@ -42,6 +44,7 @@ from .imports import save_imported, with_prefix
 from .output import check_distinct
 from .progress import ProgressFn
 from .reports import ConvertReport
+from .safe_unpickle import load_restricted
 from .spool import Spool
 
 log = logging.getLogger(__name__)
@@ -115,7 +118,7 @@ def dcp_contents(
     """Every entry of the DCP folder ``src`` by its DCP key, with its metadata; tensors are
     spooled to a scratch file beside a local ``dst`` (the same disk, which has room for the
     checkpoint; the system's temporary folder for a URL) that lives as long as the context."""
-    meta = read_dcp_metadata(src)
+    meta = read_dcp_metadata(src, allow_pickle)
     tensors = {
         k: m for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
     }
@@ -126,7 +129,7 @@ def dcp_contents(
     with tempfile.TemporaryDirectory(prefix=".unickpt-import.", dir=_scratch_dir(dst)) as scratch:
         spool = Spool(Path(scratch) / "tensors.bin")
         scale = _tensor_bytes(meta)
-        _spool_tensors(src, tensors, spool, group_bytes, _half(progress, 0, scale))
+        _spool_tensors(src, tensors, spool, group_bytes, _half(progress, 0, scale), allow_pickle)
         yield {**spool.tensors(), **values}, meta
 
 
@@ -156,14 +159,40 @@ def _half(progress: ProgressFn | None, which: int, scale: int) -> ProgressFn | N
     return report
 
 
-def read_dcp_metadata(src: Path) -> Metadata:
+class SafeReader(FileSystemReader):
+    """DCP's file system reader, reading ``.metadata`` with :mod:`.safe_unpickle` (only the
+    classes DCP metadata holds) unless pickle is allowed."""
+
+    def __init__(self, path: Path, allow_pickle: bool) -> None:
+        super().__init__(path)
+        self.allow_pickle = allow_pickle
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.allow_pickle:
+            return super().read_metadata(*args, **kwargs)
+        path = Path(self.path) / METADATA_FILE
+        with path.open("rb") as f:
+            meta = load_restricted(f, str(path))
+        if not isinstance(meta, Metadata):
+            raise CheckpointCorruptError(
+                f"{path} holds a {type(meta).__name__}, expected DCP's Metadata; it is damaged."
+            )
+        if getattr(meta, "storage_meta", None) is None:
+            meta.storage_meta = StorageMeta()
+        meta.storage_meta.load_id = self.load_id
+        return meta
+
+
+def read_dcp_metadata(src: Path, allow_pickle: bool = False) -> Metadata:
+    """The metadata of DCP folder ``src``, unpickled with only the classes DCP metadata holds
+    unless ``allow_pickle``."""
     if not (src / METADATA_FILE).is_file():
         raise CheckpointNotFoundError(
             f"{src} is not a DCP checkpoint: it has no .metadata file (dcp.save writes one)."
         )
     try:
-        return FileSystemReader(src).read_metadata()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+        return SafeReader(src, allow_pickle).read_metadata()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
         raise CheckpointError(f"{src}/.metadata could not be read ({e}); it is damaged.") from e
 
 
@@ -172,7 +201,7 @@ def _load_values(src: Path, keys: list[str], allow_pickle: bool) -> dict[str, An
         return {}
     state: dict[str, Any] = dict.fromkeys(keys)
     with single_process(_damaged(src), CheckpointCorruptError):
-        reader = FileSystemReader(src)
+        reader = SafeReader(src, allow_pickle)
         dcp.load(state, storage_reader=reader, planner=_ValuePlanner(allow_pickle), no_dist=True)
     return state
 
@@ -207,6 +236,7 @@ def _spool_tensors(
     spool: Spool,
     group_bytes: int,
     progress: ProgressFn | None,
+    allow_pickle: bool,
 ) -> None:
     total = sum(_nbytes(m) for m in tensors.values())
     done = 0
@@ -214,7 +244,8 @@ def _spool_tensors(
         part = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in group}
         planner = DefaultLoadPlanner(allow_partial_load=True)
         with single_process(_damaged(src), CheckpointCorruptError):
-            dcp.load(part, storage_reader=FileSystemReader(src), planner=planner, no_dist=True)
+            reader = SafeReader(src, allow_pickle)
+            dcp.load(part, storage_reader=reader, planner=planner, no_dist=True)
         for key, tensor in part.items():
             spool.add(key, tensor)
             done += tensor.numel() * tensor.element_size()

@@ -177,9 +177,9 @@ class SafeReader(FileSystemReader):
             raise CheckpointCorruptError(
                 f"{path} holds a {type(meta).__name__}, expected DCP's Metadata; it is damaged."
             )
-        if getattr(meta, "storage_meta", None) is None:
-            meta.storage_meta = StorageMeta()
-        meta.storage_meta.load_id = self.load_id
+        storage = getattr(meta, "storage_meta", None) or StorageMeta()
+        storage.load_id = self.load_id
+        meta.storage_meta = storage
         return meta
 
 

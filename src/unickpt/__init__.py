@@ -8,24 +8,76 @@ load into any other world size or layout, fast and safely.
 >>> unickpt.save("/tmp/unickpt-doc/init", {"model": model}, overwrite=True)  # doctest: +SKIP
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__ as __version__
-from .api import async_save, load, save, wait_pending
-from .checkpointer import Checkpointer
-from .config import Config, get_config
-from .engine.futures import SaveFuture
-from .errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointLockedError,
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    CheckpointVersionError,
-    DistributedCheckpointError,
-    UnsafeObjectError,
-)
-from .layouts.leaves import FlatShard, PerRank, ShardedTensor
-from .tiers.memory import MemoryTier
+
+if TYPE_CHECKING:
+    from .api import async_save, load, save, wait_pending
+    from .checkpointer import Checkpointer
+    from .config import Config, get_config
+    from .engine.futures import SaveFuture
+    from .errors import (
+        CheckpointCorruptError,
+        CheckpointError,
+        CheckpointExistsError,
+        CheckpointLockedError,
+        CheckpointMismatchError,
+        CheckpointNotFoundError,
+        CheckpointVersionError,
+        DistributedCheckpointError,
+        UnsafeObjectError,
+    )
+    from .layouts.leaves import FlatShard, PerRank, ShardedTensor
+    from .tiers.memory import MemoryTier
+
+# Public names, imported on first use: ``import unickpt`` (and ``unickpt --version``) stays
+# light, torch is imported only when a name that needs it is used.
+_LAZY = {
+    "async_save": ".api",
+    "load": ".api",
+    "save": ".api",
+    "wait_pending": ".api",
+    "Checkpointer": ".checkpointer",
+    "Config": ".config",
+    "get_config": ".config",
+    "SaveFuture": ".engine.futures",
+    "CheckpointCorruptError": ".errors",
+    "CheckpointError": ".errors",
+    "CheckpointExistsError": ".errors",
+    "CheckpointLockedError": ".errors",
+    "CheckpointMismatchError": ".errors",
+    "CheckpointNotFoundError": ".errors",
+    "CheckpointVersionError": ".errors",
+    "DistributedCheckpointError": ".errors",
+    "UnsafeObjectError": ".errors",
+    "FlatShard": ".layouts.leaves",
+    "PerRank": ".layouts.leaves",
+    "ShardedTensor": ".layouts.leaves",
+    "MemoryTier": ".tiers.memory",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        try:  # a subpackage, as when importing unickpt imported them all (unickpt.storage)
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = [
     "CheckpointCorruptError",

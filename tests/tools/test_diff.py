@@ -9,6 +9,7 @@ import torch
 
 import unickpt
 from unickpt.tools import diff_checkpoints
+from unickpt.tools.diff import locate_difference
 
 from .helpers import save_sample
 
@@ -97,3 +98,40 @@ def test_sharded_against_single_process(tmp_path: Path, two_rank_checkpoint: Pat
     assert (d.key, d.max_abs, d.differing) == ("model.w", 38.0, 1)
     (v,) = report.values
     assert v.key == "data_position" and v.kind == "values"
+
+
+def test_long_strings_show_where_they_differ(tmp_path: Path) -> None:
+    """Two Lightning-like states in one JSON string: equal for 300 characters, so their short
+    descriptions are equal; the report shows the first difference in a window."""
+    head = '{"loops": {"fit_loop": {"epoch_progress": {"total": {"ready": ' + "1" * 40
+    tail = ', "done": 1}, "rest": "' + "2" * 200 + '"}}}'
+    unickpt.save(tmp_path / "a", {"state": head + "7" + tail, "same": "x"})
+    unickpt.save(tmp_path / "b", {"state": head + "8" + tail, "same": "x"})
+    (v,) = diff_checkpoints(tmp_path / "a", tmp_path / "b").values
+    assert v.a == v.b  # what the table shows is the same on both sides
+    assert v.offset == len(head)
+    assert v.context_a == "..." + "1" * 24 + "[7]" + tail[:24] + "..."
+    assert v.context_b == "..." + "1" * 24 + "[8]" + tail[:24] + "..."
+    assert v.unified is None
+
+
+def test_multi_line_texts_get_a_unified_diff() -> None:
+    a = "".join(f"line {i}\n" for i in range(10))
+    b = a.replace("line 5\n", "line five\n")
+    offset, context_a, context_b, unified = locate_difference(a, b, context=4)
+    assert offset == a.index("line 5") + 5
+    assert (context_a, context_b) == ("...ine [5]\\nlin...", "...ine [f]ive\\n...")
+    assert unified is not None
+    assert unified.splitlines() == [
+        "--- A",
+        "+++ B",
+        "@@ -4,5 +4,5 @@",
+        " line 3",
+        " line 4",
+        "-line 5",
+        "+line five",
+        " line 6",
+        " line 7",
+    ]
+    assert locate_difference("abc", "abcd") == (3, "abc[]", "abc[d]", None)
+    assert locate_difference(None, "x") == (None, None, None, None)

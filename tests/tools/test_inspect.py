@@ -9,8 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import unickpt
 from unickpt.cli.main import main
+from unickpt.errors import CheckpointMismatchError
 from unickpt.tools import inspect_checkpoint
+from unickpt.tools.inspection import ObjectInfo, group_objects, select_entries
 
 from .helpers import save_sample
 
@@ -80,3 +83,68 @@ def test_two_rank_checkpoint_from_the_command_line(
     assert doc["world_size"] == 2 and doc["totals"]["files"] == 2
     w = next(t for t in doc["tensors"] if t["key"] == "model.w")
     assert (w["shape"], w["shards"], w["nbytes"]) == ([8, 6], 2, 192)
+
+
+def _titan_like(path: Path, layers: int = 4) -> None:
+    """A torchtitan-like step: per-parameter optimizer state and param-group values, the
+    same hyperparameters repeated for every parameter."""
+    names = [f"layers.{i}.{w}" for i in range(layers) for w in ("wq", "wk")]
+    group = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    unickpt.save(
+        path,
+        {
+            "model": {n: torch.ones(2) for n in names},
+            "optimizer": {
+                "state": {n: {"exp_avg": torch.zeros(2)} for n in names},
+                "param_groups": {n: dict(group) for n in names},
+            },
+            "train_state": {"step": 7},
+        },
+    )
+
+
+def test_repeated_values_are_grouped(tmp_path: Path) -> None:
+    _titan_like(tmp_path / "c")
+    s = inspect_checkpoint(tmp_path / "c")
+    assert len(s.objects) == 8 * 4 + 1
+    groups = {g.key: (g.summary, g.count) for g in group_objects(s.objects)}
+    assert groups == {
+        "optimizer.param_groups.layers.*.betas": ("(0.9, 0.95)", 8),
+        "optimizer.param_groups.layers.*.eps": ("1e-08", 8),
+        "optimizer.param_groups.layers.*.lr": ("0.0003", 8),
+        "optimizer.param_groups.layers.*.weight_decay": ("0.1", 8),
+        "train_state.step": ("7", 1),
+    }
+
+
+def test_a_differing_value_is_not_grouped_with_the_others(tmp_path: Path) -> None:
+    objects = [
+        ObjectInfo("opt.groups.a.lr", "float", "0.1"),
+        ObjectInfo("opt.groups.b.lr", "float", "0.1"),
+        ObjectInfo("opt.groups.c.lr", "float", "0.2"),
+    ]
+    groups = [(g.key, g.summary, g.count) for g in group_objects(objects)]
+    assert groups == [("opt.groups.*.lr", "0.1", 2), ("opt.groups.c.lr", "0.2", 1)]
+
+
+def test_keys_and_top_level_filters(tmp_path: Path) -> None:
+    _titan_like(tmp_path / "c", layers=2)
+    s = inspect_checkpoint(tmp_path / "c")
+    only_model = select_entries(s, tops=["model"])
+    assert [t.key for t in only_model.tensors] == [
+        "model.layers.0.wk",
+        "model.layers.0.wq",
+        "model.layers.1.wk",
+        "model.layers.1.wq",
+    ]
+    assert only_model.objects == ()
+    picked = select_entries(s, ["*.lr", "*.1.wq.exp_avg"], ["optimizer", "train_state"])
+    assert [t.key for t in picked.tensors] == ["optimizer.state.layers.1.wq.exp_avg"]
+    assert [o.key for o in picked.objects] == [
+        "optimizer.param_groups.layers.0.wk.lr",
+        "optimizer.param_groups.layers.0.wq.lr",
+        "optimizer.param_groups.layers.1.wk.lr",
+        "optimizer.param_groups.layers.1.wq.lr",
+    ]
+    with pytest.raises(CheckpointMismatchError, match="--only modle: no such top-level key"):
+        select_entries(s, tops=["modle"])

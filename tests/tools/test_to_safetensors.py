@@ -117,3 +117,17 @@ def test_tied_gpt2_exports_as_save_pretrained_does(tmp_path: Path) -> None:
     assert again.lm_head.weight is again.transformer.wte.weight
     for key, t in model.state_dict().items():
         assert_bitwise(again.state_dict()[key], t, key)
+
+
+def test_tied_weights_are_reported_and_untie_writes_every_key(tmp_path: Path) -> None:
+    model = make_tied_model()
+    unickpt.save(tmp_path / "c", {"model": model})
+    report = export_safetensors(tmp_path / "c", tmp_path / "out", only="model")
+    assert report.tied == (("head.weight", "wte.weight"),)
+    report = export_safetensors(tmp_path / "c", tmp_path / "all", only="model", untie=True)
+    assert report.tied == ()
+    loaded = st.load_file(tmp_path / "all" / "model.safetensors")
+    assert sorted(loaded) == ["head.bias", "head.weight", "wte.weight"]
+    assert_bitwise(loaded["head.weight"], model["wte"].weight.detach(), "head.weight")
+    assert_bitwise(loaded["wte.weight"], model["wte"].weight.detach(), "wte.weight")
+    assert report.tensor_bytes == (2 * 5 * 3 + 5) * 4

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
-from ..checkpointer import open_checkpoint
-from ..errors import CheckpointError
-from ..tools.convert import (
-    FORMATS,
-    IMPORT_FORMATS,
-    ConvertOptions,
-    export_checkpoint,
-    import_checkpoint,
-)
-from ..tools.progress import progress_bar, wants_progress
-from ..tools.reports import ConvertReport
-from ..tools.to_safetensors import DEFAULT_MAX_SHARD_BYTES
-from ..tools.units import format_bytes, parse_size
-from .steps import add_step_option
+from .errors import print_error
+from .steps import add_step_option, open_source
+
+if TYPE_CHECKING:
+    from ..tools.reports import ConvertReport
+
+# As unickpt.tools.convert names them (kept here so that --help imports no torch).
+FORMATS = ("safetensors", "torch", "dcp")
+IMPORT_FORMATS = (*FORMATS, "megatron", "deepspeed")
 
 _DESCRIPTION = """\
 Export a unickpt checkpoint to another format (--to), consolidated into whole tensors, or
@@ -29,7 +25,9 @@ largest tensor.
 --to safetensors    DST is a folder (model.safetensors, or above --max-shard-size Hugging
                     Face shards model-0000i-of-0000n.safetensors with
                     model.safetensors.index.json), or a file ending in .safetensors. Dotted
-                    keys (model.layers.0.weight); Python values are left out.
+                    keys (model.layers.0.weight); Python values are left out. A tied
+                    tensor (lm_head.weight sharing model.embed_tokens.weight) is
+                    written once, as save_pretrained does; --untie writes every key.
 --to torch          DST is one torch.save file of a nested dict ({"model": {...}, "step":
                     7}) that torch.load(weights_only=True) reads.
 --to dcp            DST is a torch.distributed.checkpoint folder; dcp.load reads it in one
@@ -91,6 +89,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="SIZE",
         help="safetensors shard limit, e.g. 5GB (default), 500MB, 2GiB",
     )
+    parser.add_argument(
+        "--untie",
+        action="store_true",
+        help="--to safetensors: write every name of a tied tensor, each with its own copy",
+    )
     parser.add_argument("--prefix", metavar="NAME", help="import everything under this key")
     parser.add_argument(
         "--allow-pickle",
@@ -118,17 +121,26 @@ def _misused(args: argparse.Namespace) -> str | None:
     if args.to:
         if args.prefix or args.allow_pickle:
             return "--prefix and --allow-pickle apply to imports (--from)"
-        if args.max_shard_size and args.to != "safetensors":
-            return "--max-shard-size applies to --to safetensors"
+        for flag, given in (("--max-shard-size", args.max_shard_size), ("--untie", args.untie)):
+            if given and args.to != "safetensors":
+                return f"{flag} applies to --to safetensors"
     else:
         if args.only or args.max_shard_size or args.step is not None or not args.verify:
             return "--only, --max-shard-size, --step and --no-verify apply to exports (--to)"
+        if args.untie:
+            return "--untie applies to --to safetensors"
         if args.allow_pickle and args.from_ == "safetensors":
             return "--allow-pickle applies to --from torch, dcp, megatron and deepspeed"
     return None
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..errors import CheckpointError
+    from ..tools.convert import ConvertOptions, export_checkpoint, import_checkpoint
+    from ..tools.progress import progress_bar, wants_progress
+    from ..tools.to_safetensors import DEFAULT_MAX_SHARD_BYTES
+    from ..tools.units import parse_size
+
     misuse = _misused(args)
     if misuse:
         print(f"error: {misuse}; see unickpt convert --help.", file=sys.stderr)
@@ -145,21 +157,23 @@ def run(args: argparse.Namespace) -> int:
                 allow_pickle=args.allow_pickle,
                 overwrite=args.overwrite,
                 verify=args.verify,
+                untie=args.untie,
                 progress=progress,
             )
             if args.to:
-                source = open_checkpoint(args.src, args.step)
+                source = open_source(args.src, args.step)
                 report = export_checkpoint(source, args.dst, fmt, options)
             else:
                 report = import_checkpoint(args.src, args.dst, fmt, options)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return print_error(e)
     print(render(report, exported=bool(args.to)))
     return 0
 
 
 def render(r: ConvertReport, exported: bool) -> str:
+    from ..tools.units import format_bytes
+
     target = r.format if exported else "unickpt"
     files = f"{len(r.files)} file{'s' if len(r.files) != 1 else ''}"
     line = (
@@ -168,4 +182,8 @@ def render(r: ConvertReport, exported: bool) -> str:
     )
     if r.left_out:
         line += f"; left out {len(r.left_out)} (listed in the warning above)"
-    return line
+    return "\n".join([line, *(_tied(name, kept) for name, kept in r.tied)])
+
+
+def _tied(name: str, kept: str) -> str:
+    return f"left out tied {name} (same storage as {kept}); pass --untie to write every key"

@@ -4,26 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
-from ..checkpointer import open_checkpoint
-from ..errors import CheckpointError
-from ..format.metadata import COMMIT_FILE
-from ..storage.base import Storage
-from ..storage.registry import open_storage
-from ..tools.diff import DiffReport, TensorDiff, diff_checkpoints
-from ..tools.progress import progress_bar, wants_progress
-from ..tools.table import format_table
-from ..tools.units import format_bytes
-from .steps import PATH_HELP, add_step_option
+from .errors import print_error
+from .steps import PATH_HELP, add_step_option, open_source
+
+if TYPE_CHECKING:
+    from ..storage.base import Storage
+    from ..tools.diff import DiffReport, TensorDiff, ValueDiff
 
 _DESCRIPTION = """\
 Compare two checkpoints tensor by tensor, reading large tensors in row blocks, and value by
 value. Lists tensors only in A or only in B, with different shapes or dtypes, or with
 different values (with the largest absolute difference |a - b| and relative difference
 |a - b| / max(|a|, |b|)), and values that differ. Layouts and world sizes may differ: the
-global tensors are compared.
+global tensors are compared. Values that differ show where: the first character that
+differs, in a window of both texts (...abc[X]def...), and a unified diff of multi-line texts.
 
 exit status: 0 identical, 1 different, 2 error"""
 
@@ -47,6 +44,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "count as equal (default: 0, every bit counts)",
     )
     parser.add_argument("--rtol", type=float, default=0.0, help="see --atol (default: 0)")
+    parser.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="do not check the checksums of the data read (compare damaged checkpoints)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
         "--progress",
@@ -57,13 +60,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..errors import CheckpointError
+    from ..tools.diff import diff_checkpoints
+    from ..tools.progress import progress_bar, wants_progress
+
     try:
         with progress_bar("comparing", wants_progress(args.progress)) as progress:
             a, b = (_open(p, args.step) for p in (args.a, args.b))
-            report = diff_checkpoints(a, b, atol=args.atol, rtol=args.rtol, progress=progress)
+            report = diff_checkpoints(
+                a, b, atol=args.atol, rtol=args.rtol, verify=args.verify, progress=progress
+            )
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return print_error(e)
     if args.json:
         print(json.dumps({**asdict(report), "identical": report.identical}, indent=2))
     else:
@@ -73,8 +81,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _open(path: str, step: int | None) -> Storage:
     """``path``'s checkpoint; ``step`` applies when it is a Checkpointer root."""
-    storage = open_storage(path)
-    return open_checkpoint(storage, None if storage.size(COMMIT_FILE) is not None else step)
+    from ..format.metadata import COMMIT_FILE
+    from ..storage.registry import open_storage
+
+    is_checkpoint = open_storage(path).size(COMMIT_FILE) is not None
+    return open_source(path, None if is_checkpoint else step)
 
 
 def _what(d: TensorDiff) -> str:
@@ -96,6 +107,9 @@ def _number(x: float | None) -> str:
 
 
 def render(r: DiffReport) -> str:
+    from ..tools.table import format_table
+    from ..tools.units import format_bytes
+
     compared = (
         f"{r.tensors_compared} tensors ({format_bytes(r.bytes_compared)}) and "
         f"{r.values_compared} values compared in {r.elapsed_s:.2f} s"
@@ -120,4 +134,17 @@ def render(r: DiffReport) -> str:
         names = {"only_a": "only in A", "only_b": "only in B", "values": "differs"}
         rows = [[v.key, names[v.kind], v.a or "", v.b or ""] for v in r.values]
         parts.append(format_table(["value", "difference", "A", "B"], rows))
+        parts += [_where(v) for v in r.values if v.offset is not None]
     return "\n\n".join(parts)
+
+
+def _where(v: ValueDiff) -> str:
+    """Where two values differ: a window around the first difference, a unified diff."""
+    lines = [
+        f"{v.key}: first difference at character {v.offset}:",
+        f"  A {v.context_a}",
+        f"  B {v.context_b}",
+    ]
+    if v.unified:
+        lines += ["  " + line for line in v.unified.splitlines()]
+    return "\n".join(lines)

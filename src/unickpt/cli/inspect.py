@@ -4,21 +4,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+from typing import TYPE_CHECKING
 
-from ..checkpointer import open_checkpoint
-from ..errors import CheckpointError
-from ..tools.inspection import CheckpointSummary, inspect_checkpoint
-from ..tools.table import format_table
-from ..tools.units import format_bytes
-from .steps import PATH_HELP, add_step_option
+from .errors import print_error
+from .steps import PATH_HELP, add_step_option, open_source
+
+if TYPE_CHECKING:
+    from ..tools.inspection import CheckpointSummary, ObjectGroup
 
 _DESCRIPTION = """\
 Print the tensors of a checkpoint (key, dtype, global shape, the layout it was saved from,
 number of stored shards, bytes stored), the quantized tables with the error quantization made
 (largest absolute difference, RMS difference relative to the values' RMS), its Python values
 (key, type, short value), with totals, the world size it was saved with, the versions that
-wrote it and when. Reads the metadata only; use `unickpt verify` to check the data."""
+wrote it and when. Reads the metadata only; use `unickpt verify` to check the data.
+
+Values equal under keys that differ only in their middle (the learning rate of every
+parameter's group: optimizer.param_groups.*.lr) are shown once with their count; --expand
+lists every key. --keys and --only select what is shown (and what --json prints).
+
+examples:
+  unickpt inspect runs/gpt --only model
+  unickpt inspect runs/gpt --keys '*.exp_avg' --keys '*.lr'"""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,21 +38,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("path", metavar="PATH", help=PATH_HELP)
     add_step_option(parser)
+    parser.add_argument(
+        "--keys",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="show only keys matching this shell pattern (* also matches dots); repeatable",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="show only this top-level key (model, optimizer, ...); repeatable",
+    )
+    parser.add_argument(
+        "--expand", action="store_true", help="list every value, not repeated ones once"
+    )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..errors import CheckpointError
+    from ..tools.inspection import inspect_checkpoint, select_entries
+
     try:
-        summary = inspect_checkpoint(open_checkpoint(args.path, args.step))
+        summary = inspect_checkpoint(open_source(args.path, args.step))
+        summary = select_entries(summary, args.keys, args.only)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary.to_dict(), indent=2) if args.json else render(summary))
+        return print_error(e)
+    print(json.dumps(summary.to_dict(), indent=2) if args.json else render(summary, args.expand))
     return 0
 
 
-def render(s: CheckpointSummary) -> str:
+def render(s: CheckpointSummary, expand: bool = False) -> str:
+    from ..tools.inspection import group_objects
+    from ..tools.table import format_table
+    from ..tools.units import format_bytes
+
     producer = ", ".join(f"{k} {v}" for k, v in sorted(s.producer.items())) or "unknown"
     files = f"{len(s.files)} file{'s' if len(s.files) != 1 else ''}"
     head = format_table(
@@ -75,18 +106,30 @@ def render(s: CheckpointSummary) -> str:
                 for t in quantized
             ],
         )
-    object_rows = [
-        [o.key, o.type + (" (per rank)" if o.per_rank else ""), o.summary] for o in s.objects
-    ]
-    objects = format_table(["key", "type", "value"], object_rows)
+    groups = group_objects(s.objects) if not expand else None
+    if groups is None or len(groups) == len(s.objects):
+        object_rows = [
+            [o.key, o.type + (" (per rank)" if o.per_rank else ""), o.summary] for o in s.objects
+        ]
+        objects = format_table(["key", "type", "value"], object_rows)
+    else:
+        group_rows = [
+            [g.key, g.type + (" (per rank)" if g.per_rank else ""), g.summary, str(g.count)]
+            for g in groups
+        ]
+        objects = format_table(["key", "type", "value", "keys"], group_rows, "3")
     parts = [
         head,
         f"tensors: {len(s.tensors)}, {format_bytes(s.tensor_bytes)}",
         tensors if s.tensors else "(none)",
-        f"values: {len(s.objects)}",
+        f"values: {len(s.objects)}{_distinct(groups, len(s.objects))}",
         objects if s.objects else "(none)",
     ]
     return "\n\n".join([parts[0], "\n".join(parts[1:3]), "\n".join(parts[3:5])])
+
+
+def _distinct(groups: list[ObjectGroup] | None, count: int) -> str:
+    return f" ({len(groups)} distinct, see --expand)" if groups and len(groups) < count else ""
 
 
 def _error(value: float | None, unit: str = "") -> str:

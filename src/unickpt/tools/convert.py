@@ -33,6 +33,7 @@ class ConvertOptions:
     allow_pickle: bool = False  # imports from torch, dcp, megatron and deepspeed
     overwrite: bool = False
     verify: bool = True  # exports: check the source's checksums while reading
+    untie: bool = False  # export to safetensors: write every name of tied tensors
     progress: ProgressFn | None = None
 
 
@@ -64,6 +65,7 @@ def _export(
             max_shard_bytes=o.max_shard_bytes,
             overwrite=o.overwrite,
             verify=o.verify,
+            untie=o.untie,
             progress=o.progress,
         )
     exporter = export_torch if fmt == "torch" else export_dcp

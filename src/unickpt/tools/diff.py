@@ -8,6 +8,8 @@ only differs by infinity. Values are compared in their stored (JSON) encoding, w
 
 from __future__ import annotations
 
+import difflib
+import itertools
 import math
 import os
 import time
@@ -27,6 +29,8 @@ from .progress import ProgressFn
 
 MiB = 1 << 20
 DEFAULT_BLOCK_BYTES = 32 * MiB
+CONTEXT_CHARS = 24  # shown either side of the first character two values differ in
+UNIFIED_LINES = 40  # at most, of the unified diff of two multi-line texts
 
 TensorDiffKind = Literal["only_a", "only_b", "shape", "dtype", "values", "kind"]
 ValueDiffKind = Literal["only_a", "only_b", "values"]
@@ -50,10 +54,21 @@ class TensorDiff:
 
 @dataclass(frozen=True)
 class ValueDiff:
+    """A value that differs; ``a`` and ``b`` are short descriptions. Where both sides have
+    a text (strings as they are, other values as their repr), ``offset`` is the first
+    character that differs and ``context_a``/``context_b`` show it in a window
+    (``...abc[X]def...``), so values whose short descriptions look alike (long strings, a
+    Lightning state in one JSON string) show where they differ; ``unified`` is a unified diff
+    of multi-line texts."""
+
     key: str
     kind: ValueDiffKind
     a: str | None
     b: str | None
+    offset: int | None = None
+    context_a: str | None = None
+    context_b: str | None = None
+    unified: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,17 +96,19 @@ def diff_checkpoints(
     atol: float = 0.0,
     rtol: float = 0.0,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    verify: bool = True,
     progress: ProgressFn | None = None,
 ) -> DiffReport:
     """Compare checkpoints ``a`` and ``b``. With the default tolerances any bit differing
     counts; otherwise a tensor counts as equal when every element has
-    ``|a - b| <= atol + rtol * |b|``.
+    ``|a - b| <= atol + rtol * |b|``. ``verify=False`` reads both without checking their
+    checksums.
 
     >>> report = diff_checkpoints("ckpt/step-100", "ckpt/step-200")  # doctest: +SKIP
     >>> [(d.key, d.max_abs) for d in report.tensors]  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    with CheckpointReader(a) as ra, CheckpointReader(b) as rb:
+    with CheckpointReader(a, verify=verify) as ra, CheckpointReader(b, verify=verify) as rb:
         comparer = _TensorComparer(ra, rb, atol, rtol, block_bytes, progress)
         tensors = comparer.compare_all()
         values, nvalues = _compare_values(ra, rb)
@@ -260,7 +277,8 @@ def _compare_values(ra: CheckpointReader, rb: CheckpointReader) -> tuple[list[Va
         if key in ea and key in eb:
             compared += 1
             if ea[key] != eb[key]:
-                out.append(ValueDiff(key, "values", _show(ra, key), _show(rb, key)))
+                where = locate_difference(_text(ra, key), _text(rb, key))
+                out.append(ValueDiff(key, "values", _show(ra, key), _show(rb, key), *where))
         elif key in ea and key not in tb:
             out.append(ValueDiff(key, "only_a", _show(ra, key), None))
         elif key in eb and key not in ta:
@@ -271,6 +289,65 @@ def _compare_values(ra: CheckpointReader, rb: CheckpointReader) -> tuple[list[Va
 def _encoded_values(reader: CheckpointReader) -> dict[str, Any]:
     meta = reader.metadata
     return {**meta.objects, **{k: list(v) for k, v in meta.per_rank.items()}}
+
+
+def _text(reader: CheckpointReader, key: str) -> str | None:
+    """The full text of a value (a string as it is, anything else as its repr); None when it
+    was saved with pickle or no rank saved it."""
+    meta = reader.metadata
+    if key in meta.objects:
+        encoded = meta.objects[key]
+    else:
+        first = meta.first_per_rank(key)
+        if first is None:
+            return None
+        encoded = first[1]
+    try:
+        value = decode_value(encoded, key, allow_pickle=False)
+    except UnsafeObjectError:
+        return None
+    return value if isinstance(value, str) else repr(value)
+
+
+def locate_difference(
+    a: str | None, b: str | None, context: int = CONTEXT_CHARS
+) -> tuple[int | None, str | None, str | None, str | None]:
+    """``(offset, context_a, context_b, unified)`` for two texts that differ: the first
+    differing character, a window of ``context`` characters either side of it on each side
+    (``...abc[X]def...``, ``[]`` past a text's end), and a unified diff when both texts span
+    several lines (at most :data:`UNIFIED_LINES` lines). All None when a text is missing.
+
+    >>> locate_difference("step=10,lr=0.1", "step=10,lr=0.2", context=4)
+    (13, '...lr=0.[1]', '...lr=0.[2]', None)
+    """
+    if a is None or b is None or a == b:
+        return None, None, None, None
+    offset = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    unified = None
+    if a.count("\n") >= 2 and b.count("\n") >= 2:
+        lines = difflib.unified_diff(a.splitlines(), b.splitlines(), "A", "B", n=2, lineterm="")
+        shown = list(itertools.islice(lines, UNIFIED_LINES + 1))
+        if len(shown) > UNIFIED_LINES:
+            shown[-1] = "..."
+        unified = "\n".join(shown)
+    return offset, _window(a, offset, context), _window(b, offset, context), unified
+
+
+def _window(text: str, offset: int, context: int) -> str:
+    lo, hi = max(0, offset - context), min(len(text), offset + 1 + context)
+    parts = [
+        "..." if lo > 0 else "",
+        _escape(text[lo:offset]),
+        f"[{_escape(text[offset : offset + 1])}]",
+        _escape(text[offset + 1 : hi]),
+        "..." if hi < len(text) else "",
+    ]
+    return "".join(parts)
+
+
+def _escape(text: str) -> str:
+    """Control characters (newlines, tabs) escaped, so a window stays on one line."""
+    return text.encode("unicode_escape").decode("ascii") if not text.isprintable() else text
 
 
 def _show(reader: CheckpointReader, key: str) -> str:

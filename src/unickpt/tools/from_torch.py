@@ -61,6 +61,7 @@ def load_torch_file(path: Path, allow_pickle: bool) -> Any:
         raise CheckpointNotFoundError(
             f"{path} is not a file; expected a file written by torch.save."
         )
+    _check_kind(path)
     try:
         try:
             return _load(path, allow_pickle, mmap=True)
@@ -83,6 +84,25 @@ def load_torch_file(path: Path, allow_pickle: bool) -> Any:
         raise CheckpointError(
             f"{path} could not be read by torch.load ({e}); expected a file written by torch.save."
         ) from e
+
+
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format: a zip archive
+_PICKLE_PROTOCOL = 0x80  # the first byte of a pickle (protocol 2+): torch.save's legacy format
+
+
+def _check_kind(path: Path) -> None:
+    """Raise when ``path`` is neither a zip archive nor a pickle, the two formats torch.save
+    writes, saying what the file starts with."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head.startswith(_ZIP_MAGIC) or head[:1] == bytes([_PICKLE_PROTOCOL]):
+        return
+    found = "it is empty" if not head else f"it starts with {head!r}"
+    raise CheckpointError(
+        f"{path} is not a torch.save file ({found}); expected a zip archive or a pickle, "
+        "the formats torch.save writes. Check the path, or pick the --from format that "
+        "matches the file."
+    )
 
 
 def _load(path: Path, allow_pickle: bool, mmap: bool) -> Any:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 import reprlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
 
 from ..engine.commit import read_checkpoint
-from ..errors import UnsafeObjectError
+from ..errors import CheckpointMismatchError, UnsafeObjectError
 from ..format.dtypes import dtype_from_name
 from ..format.metadata import Metadata
 from ..format.values import decode_value
@@ -176,3 +178,74 @@ def short_repr(value: Any, width: int = SUMMARY_CHARS) -> str:
         text = _REPR.repr(value)
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def select_entries(
+    summary: CheckpointSummary, patterns: Sequence[str] = (), tops: Sequence[str] = ()
+) -> CheckpointSummary:
+    """``summary`` with only the tensors and values whose key matches one of ``patterns``
+    (fnmatch, ``*`` crosses dots) and whose first component is one of ``tops``; an empty
+    sequence keeps everything. A name in ``tops`` the checkpoint lacks raises.
+
+    >>> select_entries(s, ["*.lr"], ["optimizer"])  # doctest: +SKIP
+    """
+    keys = [t.key for t in summary.tensors] + [o.key for o in summary.objects]
+    known = sorted({_top(k) for k in keys})
+    missing = [t for t in tops if t not in known]
+    if missing:
+        raise CheckpointMismatchError(
+            f"--only {', '.join(missing)}: no such top-level key in {summary.path}; expected "
+            f"one of: {', '.join(known) or '(none)'}."
+        )
+
+    def keep(key: str) -> bool:
+        in_top = not tops or _top(key) in tops
+        return in_top and (not patterns or any(fnmatchcase(key, p) for p in patterns))
+
+    return replace(
+        summary,
+        tensors=tuple(t for t in summary.tensors if keep(t.key)),
+        objects=tuple(o for o in summary.objects if keep(o.key)),
+    )
+
+
+def _top(key: str) -> str:
+    return key.split(".", 1)[0]
+
+
+@dataclass(frozen=True)
+class ObjectGroup:
+    """Values equal in type and value whose keys differ only in their middle components
+    (``optimizer.param_groups.*.lr`` for the learning rate of every parameter), shown once."""
+
+    key: str
+    type: str
+    summary: str
+    count: int
+    per_rank: bool = False
+
+
+def group_objects(objects: Sequence[ObjectInfo]) -> list[ObjectGroup]:
+    """``objects`` with equal values under keys that share their first and last components
+    grouped; the group's key holds ``*`` where its keys differ. Order: by first key."""
+    groups: dict[tuple[str, str, str, str, bool], list[ObjectInfo]] = {}
+    for o in objects:
+        parts = o.key.split(".")
+        ident = (parts[0], parts[-1] if len(parts) > 1 else "", o.type, o.summary, o.per_rank)
+        groups.setdefault(ident if len(parts) > 2 else (o.key, "", "", "", False), []).append(o)
+    out = [_group(members) for members in groups.values()]
+    return sorted(out, key=lambda g: g.key)
+
+
+def _group(members: list[ObjectInfo]) -> ObjectGroup:
+    first = members[0]
+    if len(members) == 1:
+        return ObjectGroup(first.key, first.type, first.summary, 1, first.per_rank)
+    split = [m.key.split(".") for m in members]
+    head = []
+    for column in zip(*(p[:-1] for p in split)):
+        if len(set(column)) > 1:
+            break
+        head.append(column[0])
+    key = ".".join([*head, "*", split[0][-1]])
+    return ObjectGroup(key, first.type, first.summary, len(members), first.per_rank)

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 class ConvertReport:
     """One finished conversion (export from unickpt, or import into unickpt).
 
-    ``left_out`` names each entry that was not converted, with the reason.
+    ``left_out`` names each entry that was not converted, with the reason. ``tied``: the
+    (name left out, name written) of each tied tensor an export wrote once.
     """
 
     source: str
@@ -21,6 +22,7 @@ class ConvertReport:
     tensor_bytes: int
     left_out: tuple[str, ...]
     elapsed_s: float
+    tied: tuple[tuple[str, str], ...] = ()
 
     @property
     def mb_per_s(self) -> float:

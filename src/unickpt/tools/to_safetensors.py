@@ -47,6 +47,7 @@ def export_safetensors(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     verify: bool = True,
+    untie: bool = False,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     progress: ProgressFn | None = None,
 ) -> ConvertReport:
@@ -58,7 +59,8 @@ def export_safetensors(
     subtree with its prefix removed. Python values are left out (safetensors holds tensors).
     Tied weights are written once, under the key the state held them first (as Hugging Face's
     ``save_pretrained`` keeps ``wte.weight`` and drops ``lm_head.weight``; ``from_pretrained``
-    ties them again).
+    ties them again); the report's ``tied`` names them. ``untie=True`` writes every name, each
+    with its own copy.
 
     ``src`` is a checkpoint at any path or URL (or a Storage); ``verify=False`` reads it without
     checking its checksums. ``dst`` is a local path.
@@ -70,13 +72,17 @@ def export_safetensors(
     check_distinct(src, dst_path)
     with CheckpointReader(src, verify=verify) as reader:
         selection = select_keys(reader.metadata, only)
-        entries, keys, left_out = _entries(reader, selection.tensors)
+        tensors = dict(selection.tensors)
+        if untie:
+            tensors.update({n: selection.tensors[t] for n, t in selection.aliases.items()})
+        tied = () if untie else tuple(sorted(selection.aliases.items()))
+        entries, keys, left_out = _entries(reader, tensors)
         left_out += [
             f"{k}: not a tensor (safetensors stores tensors only)"
             for k in selection.values.values()
         ]
         warn_left_out(left_out, "safetensors export")
-        for name, target in selection.aliases.items():
+        for name, target in tied:
             log.info("'%s' is tied to '%s': written once, under '%s'", name, target, target)
         writer = _Writer(reader, keys, block_bytes, progress, sum(e.nbytes for e in entries))
         if dst_path.suffix == ".safetensors":
@@ -95,6 +101,7 @@ def export_safetensors(
         writer.total,
         tuple(left_out),
         time.perf_counter() - t0,
+        tied,
     )
 
 

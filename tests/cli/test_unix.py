@@ -1,0 +1,95 @@
+"""The command line as a Unix tool: quiet on a closed pipe, the subcommand's usage on a bad
+option, no torch import for --version, error messages in terms of its flags. Run as real
+subprocesses of ``python -m unickpt.cli.main``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import unickpt
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+CLI = [sys.executable, "-m", "unickpt.cli.main"]
+
+
+def _many_values(path: Path, offset: int = 0) -> None:
+    """A checkpoint whose inspect and diff outputs are far larger than a pipe's buffer."""
+    unickpt.save(path, {"v": {f"key{i:05d}": f"value number {i + offset}" for i in range(3000)}})
+
+
+def _read_one_line_then_close(argv: list[str]) -> subprocess.CompletedProcess[bytes]:
+    """Run ``argv`` with stdout into a pipe whose reader closes after one line (``| head -1``)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.stderr.close()
+    code = proc.wait(timeout=120)
+    return subprocess.CompletedProcess(argv, code, first, err)
+
+
+@pytest.mark.parametrize("command", ["inspect", "diff"])
+def test_a_closed_pipe_ends_the_command_quietly(tmp_path: Path, command: str) -> None:
+    _many_values(tmp_path / "a")
+    _many_values(tmp_path / "b", offset=1)
+    args = (
+        [str(tmp_path / "a"), str(tmp_path / "b")] if command == "diff" else [str(tmp_path / "a")]
+    )
+    done = _read_one_line_then_close([*CLI, command, *args])
+    assert done.stdout  # the one line read
+    assert b"Traceback" not in done.stderr and b"BrokenPipeError" not in done.stderr
+    assert done.stderr == b""
+    assert done.returncode in (0, 141)
+
+
+def test_version_imports_no_torch() -> None:
+    code = (
+        "import sys\n"
+        "from unickpt.cli.main import main\n"
+        "try:\n"
+        "    main(['--version'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0\n"
+        "heavy = [m for m in ('torch', 'numpy', 'unickpt.checkpointer') if m in sys.modules]\n"
+        "print(','.join(heavy) or 'light')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"unickpt {unickpt.__version__}", "light"]
+
+
+def test_help_lists_every_command_as_their_modules_say(capsys: pytest.CaptureFixture[str]) -> None:
+    from unickpt.cli.main import build_parser
+
+    assert build_parser([]).format_help() == build_parser().format_help()
+
+
+def test_a_bad_option_shows_the_commands_usage(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [*CLI, "inspect", "--stepp", "3"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: unickpt inspect ")
+    assert "unickpt inspect: error: unrecognized arguments: --stepp" in done.stderr
+    done = subprocess.run([*CLI, "--nope"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("usage: unickpt [-h]")
+
+
+def test_a_file_that_is_not_torch_save_is_named_not_pickle(tmp_path: Path) -> None:
+    (tmp_path / "hostname").write_text("myhost\n")
+    done = subprocess.run(
+        [*CLI, "convert", str(tmp_path / "hostname"), str(tmp_path / "y"), "--from", "torch"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "is not a torch.save file (it starts with b'myhost\\n')" in done.stderr
+    assert "--allow-pickle" not in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "y").exists()

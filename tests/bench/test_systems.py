@@ -12,7 +12,7 @@ import pytest
 from unickpt.bench.harness import _system_env
 from unickpt.bench.systems import CheckpointSystem, create_system
 from unickpt.bench.systems.registry import SYSTEM_INFOS
-from unickpt.bench.systems.torch_systems import DcpSystem, _has_plan_caching
+from unickpt.bench.systems.torch_systems import DcpSystem, _has_plan_caching, stager_reusable
 
 
 @pytest.mark.parametrize("threads", ["4", "7"])
@@ -46,3 +46,8 @@ def test_every_system_names_its_class() -> None:
             continue
         cls = getattr(importlib.import_module(module_name), class_name)
         assert issubclass(cls, CheckpointSystem), info
+
+
+def test_stager_reused_except_on_torch_2_11() -> None:
+    assert not stager_reusable("2.11.0+cu130") and not stager_reusable("2.11.1")
+    assert stager_reusable("2.10.0") and stager_reusable("2.13.0+cpu")

@@ -127,9 +127,21 @@ def _stager(state_on_cuda: bool, shared_memory: bool) -> Any:
     return DefaultStager(options)
 
 
+def stager_reusable(torch_version: str) -> bool:
+    """Whether a ``DefaultStager`` survives a second ``async_save``: PyTorch 2.11 closes it at
+    the end of every staging, and the next save fails with ``KeyError: <class 'type'>``
+    (pytorch/pytorch#183413, fixed after 2.11).
+
+    >>> stager_reusable("2.11.0+cu130"), stager_reusable("2.13.0+cpu")
+    (False, True)
+    """
+    return not torch_version.startswith("2.11.")
+
+
 class DcpAsyncThreadSystem(DcpSystem):
     """``dcp.async_save`` with the thread executor and one ``DefaultStager`` reused by every
-    save (its copies of the state are kept between saves instead of allocated each time).
+    save (its copies of the state are kept between saves instead of allocated each time), or,
+    on a PyTorch whose stager cannot be reused (:func:`stager_reusable`), a new one per save.
 
     As PyTorch documents, the background save gets its own gloo group: its collectives would
     otherwise interleave with the training's on the default group."""
@@ -143,15 +155,17 @@ class DcpAsyncThreadSystem(DcpSystem):
 
     def _stager_notes(self, cuda: bool) -> str:
         pinned = "pinned, asynchronous staging, non-blocking copies" if cuda else "CPU memory"
-        return (
-            f"thread executor (own gloo group); one DefaultStager reused by every save ({pinned})"
-        )
+        return f"thread executor (own gloo group); {_stager_use()} ({pinned})"
 
     def _async_save(self, path: Path, state: TrainState, **kwargs: Any) -> SaveHandle:
+        cuda = state.device != "cpu"
         if self._stager is None:
-            cuda = state.device != "cpu"
-            self._stager = _stager(cuda, self._SHARED_MEMORY)
             self.notes = f"{self._stager_notes(cuda)}; {self.notes}"
+        elif not stager_reusable(torch.__version__):
+            self._stager.close()
+            self._stager = None
+        if self._stager is None:
+            self._stager = _stager(cuda, self._SHARED_MEMORY)
         result = dcp.async_save(
             sharded_state_dict(state),
             storage_writer=self._writer(path),
@@ -171,6 +185,12 @@ class DcpAsyncThreadSystem(DcpSystem):
         dist.destroy_process_group(self._group)
 
 
+def _stager_use() -> str:
+    if stager_reusable(torch.__version__):
+        return "one DefaultStager reused by every save"
+    return f"a new DefaultStager per save (torch {torch.__version__} cannot reuse one)"
+
+
 class DcpAsyncProcessSystem(DcpAsyncThreadSystem):
     """``dcp.async_save`` with the process executor and a ``DefaultStager`` staging into
     shared memory (pinned too on CUDA), which the writing process reads without a copy."""
@@ -179,7 +199,7 @@ class DcpAsyncProcessSystem(DcpAsyncThreadSystem):
 
     def _stager_notes(self, cuda: bool) -> str:
         pinned = "pinned + shared, asynchronous staging" if cuda else "shared memory"
-        return f"process executor; one DefaultStager reused by every save ({pinned})"
+        return f"process executor; {_stager_use()} ({pinned})"
 
     def save(self, path: Path, state: TrainState) -> SaveHandle:
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType

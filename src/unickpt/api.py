@@ -70,6 +70,7 @@ def save(
     progress: Callable[[int, int], None] | None = None,
     incremental: IncrementalSave | None = None,
     quantize: Mapping[str, int] | None = None,
+    lock: bool = True,
 ) -> saver.SaveReport:
     """Save ``state`` to ``path``; durable and committed when it returns.
 
@@ -92,7 +93,7 @@ def save(
     comm = Comm(group, cfg.collective_timeout_s)
     storage = storage_for(path)
     quantized = check_quantize(quantize)
-    prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized)
+    prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock)
     prep.incremental = incremental
     sources = [ItemSource(v) for v in prep.views]
     return saver.write_and_commit(prep, storage, sources, cfg, progress)
@@ -110,6 +111,7 @@ def async_save(
     on_commit: Callable[[], None] | None = None,
     incremental: IncrementalSave | None = None,
     quantize: Mapping[str, int] | None = None,
+    lock: bool = True,
 ) -> SaveFuture:
     """Snapshot ``state`` and return; write, fsync and commit go on in the background.
 
@@ -133,7 +135,7 @@ def async_save(
     cannot be seen; make them after ``fut.wait_snapshot()``. Errors of planning (an existing
     checkpoint, an unpicklable value) surface in ``wait()``. ``on_commit`` runs on every rank,
     in the background, once the checkpoint is committed (retention and replication hook in
-    there). ``quantize`` is as for :func:`save`.
+    there). ``quantize`` and ``lock`` are as for :func:`save`.
 
     >>> fut = unickpt.async_save("ckpt/step-100", state)  # doctest: +SKIP
     >>> ...  # train on
@@ -145,12 +147,22 @@ def async_save(
     fut.path = str(path) if not isinstance(path, Storage) else path.location
     if background_snapshot:
         return _deferred_save(
-            path, state, group, allow_pickle, overwrite, cfg, on_commit, fut, incremental, quantized
+            path,
+            state,
+            group,
+            allow_pickle,
+            overwrite,
+            cfg,
+            on_commit,
+            fut,
+            incremental,
+            quantized,
+            lock,
         )
     wait_pending()
     comm = Comm(group, cfg.collective_timeout_s)
     storage = storage_for(path)
-    prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized)
+    prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock)
     prep.incremental = incremental
     if prep.nbytes > cfg.staging_budget_bytes:
         log.info(
@@ -191,6 +203,7 @@ def _deferred_save(
     fut: SaveFuture,
     incremental: IncrementalSave | None = None,
     quantize: dict[str, int] | None = None,
+    lock: bool = True,
 ) -> SaveFuture:
     """Zero-stall: capture in the call; plan, copy and write in the background, while every
     optimizer step of the process waits for the copy."""
@@ -208,7 +221,9 @@ def _deferred_save(
         try:
             for previous in earlier:  # one save at a time: they share the staging memory
                 previous.wait_done()
-            prep = saver.prepare(comm, storage, captured.state, allow_pickle, overwrite, quantize)
+            prep = saver.prepare(
+                comm, storage, captured.state, allow_pickle, overwrite, quantize, lock
+            )
             prep.incremental = incremental
             if marker is not None:
                 marker.synchronize()

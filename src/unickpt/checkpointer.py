@@ -3,15 +3,15 @@
 One folder per step (``step-000000100``), counted only once committed; the newest intact one
 is found on restart, damaged ones are skipped with a warning; old ones are deleted only after
 a newer one is committed; folders left by an interrupted save are removed by a later save.
-The root is any path or URL a storage backend serves; listing, deleting and locking go
-through that backend.
+The root is any path or URL a storage backend serves. The Checkpointer composes the root
+(:mod:`unickpt.root`: names, listing, the lock, retention, debris, the root's identity), the
+save policy (``every``, the interval tuner), the tiers (:mod:`unickpt.tiers`) and the engine.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -19,18 +19,19 @@ from typing import TYPE_CHECKING, Any
 
 from . import api
 from .config import Config, get_config
-from .dist import Comm, dedicated_comm, run_step
+from .dist import Comm, decide, dedicated_comm
 from .encoding.saving import check_quantize
 from .engine.commit import read_checkpoint
 from .engine.futures import SaveFuture
 from .engine.incremental import Basis
-from .engine.references import needed_steps
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
 )
-from .format.metadata import COMMIT_FILE
+from .format.metadata import Metadata
+from .root import Root, RootIdentity
+from .root.names import committed_steps, open_checkpoint, step_folders, step_name
 from .storage.base import Storage
 from .storage.registry import open_storage
 from .tuning import IntervalTuner, Tuning
@@ -42,64 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_STEP = re.compile(r"^step-(\d+)$")
-
-
-def step_name(step: int) -> str:
-    """The folder name of ``step`` under a Checkpointer root."""
-    return f"step-{step:09d}"
-
-
-def step_folders(root: Storage) -> dict[int, str]:
-    """Every step folder under ``root`` (committed or not), by step."""
-    found = {}
-    for name in root.list_names():
-        m = _STEP.match(name)
-        if m:
-            found[int(m.group(1))] = name
-    return found
-
-
-def committed_steps(root: Storage) -> list[int]:
-    """Steps whose folder holds a commit marker, ascending (folders without one are ignored)."""
-    return sorted(
-        s
-        for s, name in step_folders(root).items()
-        if root.child(name).size(COMMIT_FILE) is not None
-    )
-
-
-def open_checkpoint(location: str | os.PathLike[str] | Storage, step: int | None = None) -> Storage:
-    """The checkpoint at ``location``; for a Checkpointer root, its newest committed step, or
-    ``step`` when given.
-
-    >>> reader = CheckpointReader(open_checkpoint("runs/gpt"))  # doctest: +SKIP
-    """
-    storage = open_storage(location)
-    is_checkpoint = storage.size(COMMIT_FILE) is not None
-    if step is None and is_checkpoint:
-        return storage
-    if step is not None and is_checkpoint:
-        raise CheckpointError(
-            f"{storage.location} is a checkpoint, not a Checkpointer root (a folder of step-N "
-            "folders); a step applies to roots. Leave out the step or pass the root."
-        )
-    folders = step_folders(storage)
-    if step is None and not folders:
-        return storage  # not a root either: loading it says what is there
-    committed = committed_steps(storage)
-    if step is None and not committed:
-        raise CheckpointNotFoundError(
-            f"{storage.location} is a Checkpointer root whose {len(folders)} step folder(s) hold "
-            "no committed checkpoint: the saves that wrote them did not finish."
-        )
-    if step is not None and step not in committed:
-        listed = ", ".join(map(str, committed[-10:])) or "none"
-        raise CheckpointNotFoundError(
-            f"step {step} is not a committed checkpoint of {storage.location}; its committed "
-            f"steps are: {listed}. Pass one of them."
-        )
-    return storage.child(step_name(committed[-1] if step is None else step))
+__all__ = ["Checkpointer", "committed_steps", "open_checkpoint", "step_folders", "step_name"]
 
 
 class Checkpointer:
@@ -190,16 +134,22 @@ class Checkpointer:
         self.async_save = async_save
         self.background_snapshot = background_snapshot
         self.config = config or get_config()
+        self.quantize = check_quantize(quantize)
         self._comm = Comm(group, self.config.collective_timeout_s)
+        self._root = Root(self.storage, self._comm)
         self._pending: SaveFuture | None = None
         self._release: Callable[[], None] | None = None
+        self._identity: RootIdentity | None = None
         # -- memory tier (unickpt.tiers): the policy lives there, delegated to from here --
         self.last_restore: RestoreInfo | None = None
         self._tier = None
         if memory is not None:
-            from .tiers.policy import TierPolicy
+            from .tiers.policy import SaveSettings, TierPolicy
 
-            self._tier = TierPolicy(self, memory)
+            settings = SaveSettings(
+                group, self.config, async_save, background_snapshot, self.quantize, keep_last
+            )
+            self._tier = TierPolicy(self._root, memory, settings)
         self._basis = Basis(full_every, row_deltas) if incremental else None
         # -- interval tuner (unickpt.tuning): maybe_save decides when to save --
         self._tuner: IntervalTuner | None = None
@@ -208,7 +158,6 @@ class Checkpointer:
             # Its collectives run while saves write in the background: a group of their own.
             self._tuner_comm = dedicated_comm(group, self.config.collective_timeout_s)
         self._started = False
-        self.quantize = check_quantize(quantize)
 
     @property
     def memory_stats(self) -> MemoryStats | None:
@@ -231,39 +180,45 @@ class Checkpointer:
 
     def path(self, step: int) -> str:
         """The location of ``step``'s folder (a path or URL that ``unickpt.load`` takes)."""
-        return self._step(step).location
-
-    def _step(self, step: int) -> Storage:
-        return self.storage.child(step_name(step))
+        return self._root.step(step).location
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending."""
-        return committed_steps(self.storage)
+        """Committed steps, ascending (as this rank lists them; raises when listing fails)."""
+        return self._root.list_committed()
 
     def save(self, step: int, state: dict[str, Any]) -> SaveFuture:
         """Save ``state`` as ``step``: asynchronous unless ``async_save=False``.
 
         The first save locks the root (:class:`~unickpt.errors.CheckpointLockedError` when
-        another job writes into it) and removes folders left by interrupted saves.
+        another job writes into it), writes the root's id when it has none, and removes
+        folders left by interrupted saves. Whatever the coordinator reads or checks before the
+        save is handed to every rank with its error: a save that fails, fails on every rank,
+        and every rank is ready for the next one.
         """
         self.wait()
         if step < 0:
             raise CheckpointError(f"step is {step}; expected a non-negative integer.")
         first = self._release is None
         if first:
-            self._lock()
-        if self._comm.is_coordinator and (first or self._tier is None):
-            self._remove_debris(keep=step)  # with a memory tier, persists may be under way
+            self._release = self._root.lock()
+        if self._identity is None:
+            self._identity = self._root.identity(create=True)
+        # With a memory tier, persists of earlier saves may be under way after the first.
+        self._root.begin_save(step, remove_debris=first or self._tier is None)
         if self._tier is not None:
+            assert self._identity is not None  # written by the line above
+            self._tier.bind(self._identity)
             self._pending = self._tier.save(step, state)
             return self._pending
-        self._refuse_overwriting_a_base(step)
-        target = self._step(step)
+        target = self._root.step(step)
         inc = None
         if self._basis is not None:
             if first:
                 self._seed_basis(self._basis, step)
-            inc = self._basis.next_save(step_name(step), self.config.segment_bytes, self._committed)
+            alive = {step_name(s) for s in self._root.committed()}
+            inc = self._basis.next_save(
+                step_name(step), self.config.segment_bytes, alive.__contains__
+            )
         if not self.async_save:
             report = api.save(
                 target,
@@ -273,6 +228,7 @@ class Checkpointer:
                 config=self.config,
                 incremental=inc,
                 quantize=self.quantize,
+                lock=False,
             )
             self._retain(step)
             return SaveFuture.completed(report)
@@ -286,30 +242,40 @@ class Checkpointer:
             on_commit=lambda: self._retain(step),
             incremental=inc,
             quantize=self.quantize,
+            lock=False,
         )
         return self._pending
 
     def _seed_basis(self, basis: Basis, step: int) -> None:
-        """This rank's first incremental save: start from the newest committed step before
-        ``step`` (a restarted job), so the save refers to its unchanged chunks. A checkpoint
-        that does not read leaves the save full."""
-        older = [s for s in self.steps() if s < step]
-        if not older:
-            return
-        try:
-            _, meta = read_checkpoint(self._step(older[-1]))
-        except CheckpointError as e:
-            log.info(
-                "incremental save of step %d is full: step %d does not read (%s)",
-                step,
-                older[-1],
-                e,
-            )
-            return
-        basis.seed(step_name(older[-1]), meta)
+        """The first incremental save: start from the newest committed step before ``step``
+        (a restarted job), so the save refers to its unchanged chunks. Read on the
+        coordinator and handed to every rank; a checkpoint that does not read leaves the save
+        full on every rank."""
 
-    def _committed(self, name: str) -> bool:
-        return self.storage.child(name).size(COMMIT_FILE) is not None
+        def newest_older() -> tuple[str, Metadata] | None:
+            older = [s for s in self._root.list_committed() if s < step]
+            if not older:
+                return None
+            try:
+                _, meta = read_checkpoint(self._root.step(older[-1]))
+            except CheckpointError as e:
+                log.info(
+                    "incremental save of step %d is full: step %d does not read (%s)",
+                    step,
+                    older[-1],
+                    e,
+                )
+                return None
+            return step_name(older[-1]), meta
+
+        found = decide(self._comm, f"reading the newest checkpoint of {self.root}", newest_older)
+        if found is not None:
+            basis.seed(*found)
+
+    def _retain(self, newest: int) -> None:
+        """Retention after ``newest`` committed: on the coordinator only, never raising."""
+        if self._comm.is_coordinator:
+            self._root.retain(newest, self.keep_last)
 
     def maybe_save(self, step: int, state: dict[str, Any]) -> SaveFuture | None:
         """Called every step (on every rank): save ``state`` as ``step`` when the interval
@@ -322,7 +288,7 @@ class Checkpointer:
             )
         if not self._started:
             self._started = True
-            tuner.learn_mtbf(self._tuner_comm.broadcast(self._learn_mtbf()))
+            tuner.learn_mtbf(decide(self._tuner_comm, "recording this start", self._learn_mtbf))
         if not tuner.begin(step):
             tuner.end(step, saved=False)
             return None
@@ -336,49 +302,99 @@ class Checkpointer:
         return None if self._tuner is None else self._tuner.tuning
 
     def _learn_mtbf(self) -> float | None:
-        """Record this start at the root (coordinator); the MTBF the starts imply."""
-        if not self._comm.is_coordinator:
-            return None
+        """Record this start at the root (coordinator); the MTBF the starts imply. A record
+        that cannot be written leaves the MTBF unknown for this run."""
         now = time.time()
-        return mtbf_from_starts(record_start(self.storage, now), now)
+        try:
+            return mtbf_from_starts(record_start(self.storage, now), now)
+        except CheckpointError as e:
+            log.warning("could not record this start in %s (%s); MTBF unknown", self.root, e)
+            return None
 
     def _agree_interval(self, every: int) -> int:
         """Every rank saves at the same steps: the longest interval any rank proposes."""
         return max(self._tuner_comm.all_gather(every))
 
-    def _lock(self) -> None:
-        """Take the root's writer lock on the coordinator; every rank learns the outcome."""
-
-        def lock() -> tuple[Callable[[], None], None]:
-            return (self.storage.acquire_lock() if self._comm.is_coordinator else _no_op), None
-
-        self._release, _ = run_step(self._comm, "locking the checkpoint root", lock)
-
     def load_latest(self, state: dict[str, Any], *, strict: bool = True) -> int | None:
-        """Load the newest intact checkpoint into ``state``; its step, or None when none."""
+        """Load the newest intact checkpoint into ``state``; its step.
+
+        Returns None only when the root holds no committed step. Otherwise it returns a step
+        whose values are all in ``state`` (falling back from damaged steps to older ones, and
+        listing again when steps are deleted under it by a writer's retention), or raises
+        :class:`~unickpt.errors.CheckpointError` naming every step tried and why it failed;
+        ``state`` then may hold values written by the failed loads.
+        """
         self.wait()
         if self._tier is not None:
+            if self._identity is None:
+                self._identity = self._root.identity(create=False)
+            if self._identity is not None:
+                self._tier.bind(self._identity)
             step, self.last_restore = self._tier.load_latest(
-                state, strict, lambda: self._load_stored(state, strict)
+                state, strict, lambda failed: self._load_stored(state, strict, failed)
             )
             return step
-        return self._load_stored(state, strict)
+        return self._load_stored(state, strict, {})
 
-    def _load_stored(self, state: dict[str, Any], strict: bool) -> int | None:
-        steps = self._comm.broadcast(self.steps())
-        for step in reversed(steps):
+    def _load_stored(
+        self, state: dict[str, Any], strict: bool, failed: dict[str, str]
+    ) -> int | None:
+        """The newest committed step that loads whole; ``failed``: earlier sources that did
+        not (source -> why), reported with this one's."""
+        tried: dict[int, str] = {}
+        while True:
+            untried = [s for s in self._root.committed() if s not in tried]
+            if not untried:
+                break
+            step = untried[-1]
             try:
-                api.load(
-                    self._step(step), state, group=self.group, strict=strict, config=self.config
+                report = api.load(
+                    self._root.step(step),
+                    state,
+                    group=self.group,
+                    strict=strict,
+                    config=self.config,
                 )
-                return step
-            except (CheckpointCorruptError, CheckpointNotFoundError) as e:
+            except CheckpointError as e:
+                if not self._fall_back(step, e):
+                    raise
+                tried[step] = str(e)
+                continue
+            if (tried or failed) and report.skipped_keys:
                 warnings.warn(
-                    f"checkpoint of step {step} at {self.path(step)} cannot be loaded ({e}); "
-                    "falling back to the one before.",
-                    stacklevel=2,
+                    f"step {step} was loaded after failed loads of "
+                    f"{', '.join([*failed, *map(str, tried)])}; keys it does not hold kept "
+                    "values those loads may have written: "
+                    f"{', '.join(report.skipped_keys[:10])}",
+                    stacklevel=3,
                 )
-        return None
+            return step
+        if not tried and not failed:
+            return None
+        lines = [f"  {src}: {why}" for src, why in failed.items()]
+        lines += [f"  step {s} ({self.path(s)}): {why}" for s, why in tried.items()]
+        raise CheckpointCorruptError(
+            f"no checkpoint of {self.root} could be loaded; tried, newest first:\n"
+            + "\n".join(lines)
+            + "\nThe state may hold values that these loads wrote before failing: make it anew "
+            "before using it. Repair or restore one of these checkpoints, or start afresh "
+            "in another root."
+        )
+
+    def _fall_back(self, step: int, error: CheckpointError) -> bool:
+        """Whether a failed load of ``step`` lets an older step be tried: the step is damaged,
+        or was deleted under the load (listed again: every rank sees the same listing)."""
+        if step not in self._root.committed():
+            log.info("step %d was deleted while it was loaded; listing the steps again", step)
+            return True
+        if isinstance(error, CheckpointCorruptError | CheckpointNotFoundError):
+            warnings.warn(
+                f"checkpoint of step {step} at {self.path(step)} cannot be loaded ({error}); "
+                "falling back to the one before.",
+                stacklevel=4,
+            )
+            return True
+        return False
 
     def wait(self) -> None:
         """Wait for the pending asynchronous save; re-raise its failure."""
@@ -406,60 +422,3 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _refuse_overwriting_a_base(self, step: int) -> None:
-        """Saving again over a committed step that other steps' incremental checkpoints refer to
-        would change the bytes they stand on: refused on every rank, before anything is written."""
-        message = None
-        if self._comm.is_coordinator:
-            committed = self.steps()
-            if step in committed:
-                name = step_name(step)
-                dependents = [
-                    s
-                    for s in committed
-                    if s != step and name in needed_steps(self.storage, [step_name(s)])
-                ]
-                if dependents:
-                    message = (
-                        f"step {step} is already saved in {self.storage.location} and the "
-                        f"incremental checkpoints of step(s) {', '.join(map(str, dependents))} "
-                        "refer to its bytes; saving over it would break them. Save under a new "
-                        "step number, or delete those steps first."
-                    )
-        message = self._comm.broadcast(message)
-        if message is not None:
-            raise CheckpointError(message)
-
-    def _retain(self, newest: int, any_rank: bool = False) -> None:
-        if self.keep_last is None or not (any_rank or self._comm.is_coordinator):
-            return
-        committed = self.steps()
-        older = [s for s in committed if s < newest]
-        doomed = older[: max(0, len(older) - (self.keep_last - 1))]
-        if doomed:  # steps a kept checkpoint refers to stay
-            needed = needed_steps(
-                self.storage, [step_name(s) for s in committed if s not in doomed]
-            )
-            doomed = [s for s in doomed if step_name(s) not in needed]
-        for step in doomed:
-            self._delete(step_name(step), uncommit=True)
-
-    def _remove_debris(self, keep: int) -> None:
-        for step, name in step_folders(self.storage).items():
-            if step != keep and self.storage.child(name).size(COMMIT_FILE) is None:
-                log.info("removing %s, left by an interrupted save", self._step(step).location)
-                self._delete(name, uncommit=False)
-
-    def _delete(self, name: str, uncommit: bool) -> None:
-        """Uncommit first, so a crash midway leaves debris, never a half-deleted checkpoint."""
-        try:
-            if uncommit:
-                self.storage.child(name).remove(COMMIT_FILE)
-            self.storage.remove_tree(name)
-        except CheckpointError as e:
-            log.warning("could not delete %s (%s); delete it by hand", name, e)
-
-
-def _no_op() -> None:
-    return None

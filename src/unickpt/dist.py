@@ -54,12 +54,22 @@ class OwnGroup:
         """Collective over ``ranks`` (global ranks), like ``new_group``."""
         self._why = ""
         with _MAKING:
-            self._pg: Any = dist.new_group(
-                ranks=list(ranks),
-                backend="gloo",
-                timeout=datetime.timedelta(seconds=timeout_s),
-                use_local_synchronization=len(ranks) != dist.get_world_size(),
-            )
+            try:
+                self._pg: Any = dist.new_group(
+                    ranks=list(ranks),
+                    backend="gloo",
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                    use_local_synchronization=len(ranks) != dist.get_world_size(),
+                )
+            except RuntimeError as e:
+                raise E.DistributedCheckpointError(
+                    f"making unickpt's process group of ranks {_span(list(ranks))} failed ({e}): "
+                    "a rank died, hung past the collective timeout "
+                    f"({timeout_s:.0f} s, UNICKPT_COLLECTIVE_TIMEOUT_S) or called the save or "
+                    "load alone; every rank of the group calls it together. Look at the other "
+                    "ranks' logs. Committed checkpoints are untouched.",
+                    {},
+                ) from e
             with _GROUPS_LOCK:
                 dead = [g for g in _OWNED if not g.alive]
                 _OWNED[:] = [g for g in _OWNED if g not in dead] + [self]
@@ -200,7 +210,7 @@ class Comm:
                 f"rank {self.rank}: the {what} among the {self.world_size} ranks of this "
                 f"checkpoint failed ({e}): {named} died, hung past the collective timeout "
                 f"({self._timeout_s:.0f} s, UNICKPT_COLLECTIVE_TIMEOUT_S) or raised outside "
-                "unickpt: look at the other ranks' logs. The previous checkpoint is intact.",
+                "unickpt: look at the other ranks' logs. Committed checkpoints are untouched.",
                 {},
             ) from e
 
@@ -281,8 +291,44 @@ def run_step(comm: Gathering, step: str, fn: Callable[[], tuple[L, S]]) -> tuple
     return local, [s for _, s in gathered]
 
 
+class Broadcasting(Protocol):
+    """What :func:`decide` needs of a group: this rank, its size, an object broadcast."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def broadcast(self, obj: T) -> T: ...
+
+
+def decide(comm: Broadcasting, what: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on the coordinator alone and hand its result, or its error, to every rank.
+
+    What one rank reads or checks alone (a listing, a marker, a lock) is a decision the others
+    never saw: this makes it one decision. Every rank returns the same value or raises the same
+    error (the coordinator's class when it is one of ours), before anyone acts on it.
+    """
+    value: Any = None
+    failure: RankFailure | None = None
+    caught: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
+            failure, caught = failure_of(comm.rank, e), e
+    if comm.world_size > 1:
+        value, failure = comm.broadcast((value, failure))
+    raise_failures(comm, what, [failure], caught)
+    return value  # type: ignore[no-any-return]
+
+
 def raise_failures(
-    comm: Gathering, step: str, failures: list[RankFailure | None], caught: BaseException | None
+    comm: Gathering | Broadcasting,
+    step: str,
+    failures: list[RankFailure | None],
+    caught: BaseException | None,
 ) -> None:
     """Raise one error on every rank when any rank failed; keep the error's class when shared."""
     failed = [f for f in failures if f is not None]

@@ -149,9 +149,9 @@ def test_saving_over_a_step_others_refer_to_is_refused(tmp_path: Path) -> None:
     with pytest.raises(unickpt.CheckpointError) as info:
         ckpt.save(0, _state(frozen, 9))
     assert str(info.value) == (
-        f"step 0 is already saved in {tmp_path} and the incremental checkpoints of step(s) 1, 2 "
-        "refer to its bytes; saving over it would break them. Save under a new step number, or "
-        "delete those steps first."
+        f"{tmp_path}/step-000000000 holds a committed checkpoint whose bytes the incremental "
+        "checkpoints in step-000000001, step-000000002 refer to; replacing it would break them. "
+        "Save under a new step, or delete those checkpoints first. Nothing was written."
     )
     ckpt.save(2, _state(frozen, 7))  # nothing refers to the newest step: saved again
     for step, value in ((0, 0), (1, 1), (2, 7)):
@@ -193,8 +193,11 @@ def test_missing_or_damaged_referenced_step(
         unickpt.load(ckpt.path(2), dest)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert ckpt.load_latest(dest) is None, "steps 1 and 2 both need step 0"
+        with pytest.raises(unickpt.CheckpointCorruptError) as failed:
+            ckpt.load_latest(dest)  # steps 1 and 2 both need step 0: nothing loads, and it says so
     assert len(caught) == 2 and "step-000000000" in str(caught[0].message)
+    tried = [line.split()[1] for line in str(failed.value).splitlines() if "  step " in line]
+    assert tried == ["2", "1"] and str(failed.value).count("which holds no committed") == 2
     report = verify_checkpoint(ckpt.path(1))
     assert "no committed checkpoint" in report.damage[0].message
     ckpt.save(3, _state(frozen, 3))

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import unickpt
+from unickpt.root import RootIdentity
 from unickpt.storage.base import WriteHandle
 from unickpt.storage.local import LocalStorage
-from unickpt.storage.registry import open_storage
 from unickpt.tiers.memory import Holding, MemoryStore, job_name
 from unickpt.tiers.nodes import Nodes
 from unickpt.tiers.restore import choose
@@ -49,12 +49,22 @@ def test_choose_newest_complete_across_nodes() -> None:
 
 
 def test_job_names_and_settings() -> None:
-    assert job_name("/runs/gpt") == job_name("/runs/gpt") != job_name("/other/gpt")
-    assert job_name("s3://bucket/run-7/").startswith("run-7-")
+    gpt = RootIdentity("/runs/gpt", "a1")
+    assert job_name(gpt) == job_name(RootIdentity("/runs/gpt", "a1"))
+    assert job_name(gpt) != job_name(RootIdentity("/runs/gpt", "b2"))  # deleted and made anew
+    assert job_name(gpt) != job_name(RootIdentity("/other/gpt", "a1"))
+    assert job_name(RootIdentity("s3://bucket/run-7", "a1")).startswith("run-7-")
     with pytest.raises(unickpt.CheckpointError, match="persist_every is 0; expected at least 1"):
         unickpt.MemoryTier(persist_every=0)
     with pytest.raises(unickpt.CheckpointError, match="replicas is 0"):
         unickpt.MemoryTier(replicas=0)
+
+
+def _store(ckpt: unickpt.Checkpointer) -> MemoryStore:
+    """The memory folder a Checkpointer's tier is bound to (after its first save)."""
+    store = ckpt._tier.store  # type: ignore[union-attr]
+    assert store is not None
+    return store
 
 
 def _state(step: int) -> dict[str, object]:
@@ -71,9 +81,9 @@ def test_memory_saves_bounded_persisted_to_any_backend(tmp_path: Path) -> None:
     root = "memory://unickpt-tier-test/run"
     tier = unickpt.MemoryTier(persist_every=2, replicas=1, dir=shm)
     ckpt = unickpt.Checkpointer(root, keep_last=2, memory=tier)
-    store = MemoryStore(shm, job_name(open_storage(root).location))
     for step in range(1, 6):
         ckpt.save(step, _state(step)).wait()
+        store = _store(ckpt)
         assert store.committed()[-1] == step and len(store.steps()) <= 2
     ckpt._tier._finish_persist("")  # type: ignore[union-attr]
     assert ckpt.steps() == [2, 4]  # through the storage API (fsspec's memory file system)
@@ -95,9 +105,9 @@ def test_saves_write_over_the_retired_checkpoints_files(tmp_path: Path) -> None:
     tier = unickpt.MemoryTier(persist_every=100, replicas=1, dir=shm)
     root = tmp_path / "root"
     ckpt = unickpt.Checkpointer(root, memory=tier)
-    store = MemoryStore(shm, job_name(str(root)))
 
     def data_inode(step: int) -> tuple[int, int]:
+        store = _store(ckpt)
         (name,) = [n for n in os.listdir(store.step_path(step)) if n.startswith("data-")]
         st = os.stat(store.step_path(step) / name)
         return st.st_ino, st.st_size
@@ -117,7 +127,7 @@ def test_saves_write_over_the_retired_checkpoints_files(tmp_path: Path) -> None:
 
 
 def test_spares_fit_the_file_being_written(tmp_path: Path) -> None:
-    store = MemoryStore(tmp_path, "job")
+    store = MemoryStore(tmp_path, RootIdentity(str(tmp_path / "root"), "a1"))
     for step, size in ((1, 300), (1, 100), (2, 200)):
         folder = store.step_path(step)
         folder.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ a self-contained checkpoint reads exactly as before. Nothing is written through 
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Sequence
 
@@ -20,6 +21,8 @@ from ..format.metadata import COMMIT_FILE
 from ..format.references import FileLocation, parse_reference
 from ..storage.base import Storage, WriteHandle, check_name
 from .commit import read_commit
+
+_STEP_FOLDER = re.compile(r"^step-\d+$")
 
 
 class ReferencingStorage(Storage):
@@ -129,30 +132,71 @@ def resolving(storage: Storage) -> Storage:
 
 def references_of(step: Storage) -> tuple[str, ...]:
     """The step folders the committed checkpoint in ``step`` refers to (its global metadata
-    alone is read); empty when none, or when no committed checkpoint is there."""
+    alone is read); empty when no committed checkpoint is there. Raises when the marker or
+    the metadata cannot be read: a failed read is no proof that nothing is referred to."""
     record = read_commit(step)
     if record is None:
         return ()
-    raw = step.read_bytes(check_name(record.metadata_file))
+    name = check_name(record.metadata_file)
+    raw = step.read_bytes(name)
     if raw is None:
-        return ()
+        if read_commit(step) is None:
+            return ()  # deleted between the two reads
+        raise CheckpointCorruptError(
+            f"{step.location} is committed but its metadata file {name} is missing; the "
+            "checkpoint is damaged."
+        )
     return decode_metadata(raw, f"{step.location}/{record.metadata_file}").references
 
 
 def needed_steps(root: Storage, kept: Sequence[str]) -> set[str]:
     """The step folders under ``root`` that the checkpoints in ``kept`` refer to, directly or
-    through the ones they refer to (so that every step left listed still loads)."""
+    through the ones they refer to (so that every step left listed still loads).
+
+    Raises :class:`CheckpointError` when a kept checkpoint's references cannot be read (a
+    request failed, or the checkpoint is damaged): whoever deletes on the strength of this
+    answer must then delete nothing.
+    """
     needed: set[str] = set()
     todo = list(kept)
     seen = set(todo)
     while todo:
+        name = todo.pop()
         try:
-            refs = references_of(root.child(todo.pop()))
-        except CheckpointError:
-            continue  # a damaged checkpoint is skipped by loads; it protects nothing
+            refs = references_of(root.child(name))
+        except CheckpointError as e:
+            raise type(e)(
+                f"the references of {root.location}/{name} cannot be read ({e}), so no step "
+                "can be proven unreferenced"
+            ) from e
         for step in refs:
             needed.add(step)
             if step not in seen:
                 seen.add(step)
                 todo.append(step)
     return needed
+
+
+def dependents(storage: Storage) -> list[str]:
+    """The sibling folders whose committed checkpoints refer to bytes in ``storage``'s folder
+    (checked before a save replaces a committed checkpoint there). Raises when a sibling cannot
+    be read: a reference that cannot be ruled out is treated as one."""
+    parent = storage.parent()
+    if parent is None:
+        return []  # references resolve through the parent: none can reach this folder
+    own = storage.location.rstrip("/").rsplit("/", 1)[-1]
+    found = []
+    for sibling in parent.list_names():
+        if sibling == own or not _STEP_FOLDER.match(sibling):
+            continue  # references name step folders only (a Checkpointer's incremental saves)
+        try:
+            refs = references_of(parent.child(sibling))
+        except CheckpointError as e:
+            raise CheckpointError(
+                f"replacing the checkpoint in {storage.location}: whether the checkpoint in "
+                f"{parent.location}/{sibling} refers to its bytes cannot be read ({e}). Nothing "
+                "was written; try again, or remove that folder if it is damaged."
+            ) from e
+        if own in refs:
+            found.append(sibling)
+    return found

@@ -32,7 +32,7 @@ from ..encoding.saving import (
     with_encodings,
     written_errors,
 )
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointError, CheckpointExistsError
 from ..format.chunk_map import ChunkMap, build_chunk_map
 from ..format.codec import encode_index
 from ..format.dtypes import dtype_name
@@ -52,8 +52,9 @@ from ..planning.packed import PackedPlan
 from ..planning.save_plan import GlobalPlan, LocalPlan, TensorDecl, WriteItem, build_global_plan
 from ..storage.base import Storage
 from .checksum import digest
-from .commit import commit, data_name, index_name, read_commit
+from .commit import commit, data_name, index_name, metadata_name, read_commit
 from .incremental import IncrementalSave, Piece, relaid
+from .references import dependents
 from .write import ItemSource, WriteResult, write_file
 
 log = logging.getLogger(__name__)
@@ -106,11 +107,13 @@ def prepare(
     allow_pickle: bool,
     overwrite: bool,
     quantize: Mapping[str, int] | None = None,
+    lock: bool = True,
 ) -> PreparedSave:
     """Flatten, encode values, agree on the plan (cached while the structure is unchanged).
 
     ``quantize`` (table key -> bits) stores those tables quantized per row (see
-    :mod:`unickpt.encoding.rowwise`).
+    :mod:`unickpt.encoding.rowwise`). ``lock=False``: the caller holds a lock that covers
+    ``storage`` (a Checkpointer holds its root's), so the save takes none of its own.
     """
     held: list[Callable[[], None]] = []
     encoded: dict[str, EncodedTable] = {}
@@ -126,13 +129,10 @@ def prepare(
         per_rank = {k: encode_value(v.value, k, allow_pickle) for k, v in flat.per_rank.items()}
         extra = None
         if comm.is_coordinator:
-            held.append(storage.acquire_lock())
-            if not overwrite and read_commit(storage) is not None:
-                raise CheckpointExistsError(
-                    f"{storage.location} already holds a committed checkpoint; pass "
-                    "overwrite=True to replace it (the old one stays loadable until the new "
-                    "one is committed), or save to a new path."
-                )
+            if lock:
+                held.append(storage.acquire_lock())
+            if read_commit(storage) is not None:
+                _check_replaceable(storage, overwrite)
             extra = uuid.uuid4().hex[:12]
         cached_key = next(iter(_PLAN_CACHE), None)
         packed = plan.packed()
@@ -169,6 +169,24 @@ def prepare(
         encoded=encoded,
         encoding_errors=written_errors(items, encoded),
     )
+
+
+def _check_replaceable(storage: Storage, overwrite: bool) -> None:
+    """A committed checkpoint is replaced only when asked to, and never while other
+    checkpoints' incremental saves refer to its bytes (the replacement deletes them)."""
+    if not overwrite:
+        raise CheckpointExistsError(
+            f"{storage.location} already holds a committed checkpoint; pass overwrite=True to "
+            "replace it (the old one stays loadable until the new one is committed), or save to "
+            "a new path."
+        )
+    referring = dependents(storage)
+    if referring:
+        raise CheckpointError(
+            f"{storage.location} holds a committed checkpoint whose bytes the incremental "
+            f"checkpoints in {', '.join(referring)} refer to; replacing it would break them. "
+            "Save under a new step, or delete those checkpoints first. Nothing was written."
+        )
 
 
 def _agree_on_plan(comm: Comm, plan: PackedPlan) -> GlobalPlan:
@@ -235,6 +253,7 @@ def write_and_commit(
     payload = (failure, ref, prep.per_rank, prep.values, steps, prep.encoding_errors)
     outcome: list[RankFailure | None] = [failure]
     errors: dict[str, EncodingError] = {}
+    clean = True  # this save's files may go: it did not commit
     try:
         gathered = comm.gather(payload)
         if comm.is_coordinator:
@@ -248,16 +267,41 @@ def write_and_commit(
                 except Exception as e:  # noqa: BLE001 - reported to every rank
                     outcome = [failure_of(comm.rank, e)]
                     caught = e
+                    clean = _proven_uncommitted(storage, prep.save_id)
     finally:
         if prep.release is not None:
             prep.release()
-    outcome, errors = comm.broadcast((outcome, errors))
+    outcome, errors, clean = comm.broadcast((outcome, errors, clean))
+    if any(outcome) and clean:
+        _remove_own_files(storage, prep.save_id, comm.rank, comm.is_coordinator)
     raise_failures(comm, "saving", outcome, caught)
     if prep.incremental is not None:
         prep.incremental.adopt()
     total = ref.nbytes if ref else 0
     commit_s = time.perf_counter() - t0 - write_s
     return SaveReport(total, write_s, commit_s, prep.plan_cached, errors)
+
+
+def _proven_uncommitted(storage: Storage, save_id: str) -> bool:
+    """After a failed commit: whether the marker is read and is not this save's (a marker
+    that cannot be read may be this save's, whose files must then stay)."""
+    try:
+        record = read_commit(storage)
+    except CheckpointError:
+        return False
+    return record is None or record.save_id != save_id
+
+
+def _remove_own_files(storage: Storage, save_id: str, rank: int, coordinator: bool) -> None:
+    """A failed save takes its files with it (they bear its id, so nothing else needs them):
+    space taken by a save that failed at its commit would fail every later one."""
+    names = [data_name(save_id, rank), index_name(save_id, rank)]
+    if coordinator:
+        names.append(metadata_name(save_id))
+    try:
+        storage.remove_many(names)
+    except CheckpointError as e:
+        log.warning("could not remove the files of the failed save in %s (%s)", storage.location, e)
 
 
 def _write_rank_files(

@@ -7,9 +7,14 @@ the operating system, so it outlives every training process of the node). Layout
     <dir>/<job>/step-000000005/   COMMIT, metadata, the data and index files of the node's own
                                   ranks, and the replica files it keeps for its partner node
 
-``<job>`` is derived from the Checkpointer's root (stable across restarts, distinct between
-jobs). A data file counts as present only once its index file is there: the index is written
-after the data is complete, by a local save and by a received replica alike.
+``<job>`` is derived from the identity of the Checkpointer's root (:mod:`unickpt.root.identity`:
+its resolved location and the id written at its first save), so it is stable across restarts
+and distinct between roots: two jobs whose roots are both called ``"ckpt"`` in different
+folders, or a root deleted and saved into again, never share memory checkpoints. The job
+folder's ``OWNER`` file names the root it belongs to.
+
+A data file counts as present only once its index file is there: the index is written after
+the data is complete, by a local save and by a received replica alike.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpointer import step_name
 from ..errors import CheckpointError
 from ..format.metadata import COMMIT_FILE
+from ..root.identity import RootIdentity
+from ..root.names import step_name
 from ..storage.base import WriteHandle
 from ..storage.local import LocalStorage, LocalWriteHandle
 
@@ -74,10 +80,10 @@ class MemoryTier:
         return Path(self.dir or os.environ.get("UNICKPT_MEMORY_DIR") or DEFAULT_DIR)
 
 
-def job_name(root_location: str) -> str:
+def job_name(identity: RootIdentity) -> str:
     """The job's folder name under ``dir``: readable, and distinct for distinct roots."""
-    tail = re.sub(r"[^A-Za-z0-9_-]+", "-", root_location.rstrip("/").rsplit("/", 1)[-1])
-    digest = hashlib.blake2b(root_location.encode(), digest_size=6).hexdigest()
+    tail = re.sub(r"[^A-Za-z0-9_-]+", "-", identity.location.rstrip("/").rsplit("/", 1)[-1])
+    digest = hashlib.blake2b(identity.key.encode(), digest_size=8).hexdigest()
     return f"{tail.strip('-')[:40] or 'job'}-{digest}"
 
 
@@ -99,12 +105,41 @@ class Holding:
     present: frozenset[str]
 
 
-class MemoryStore:
-    """One job's memory checkpoints in one node's folder."""
+OWNER_FILE = "OWNER"
 
-    def __init__(self, base: Path, job: str) -> None:
+
+class MemoryStore:
+    """One root's memory checkpoints in one node's folder."""
+
+    def __init__(self, base: Path, identity: RootIdentity) -> None:
         self.base = base
-        self.root = base / job
+        self.identity = identity
+        self.root = base / job_name(identity)
+
+    def claim(self) -> None:
+        """Name the root these memory checkpoints belong to (before the first is written)."""
+        owner = self.root / OWNER_FILE
+        if owner.is_file():
+            self._check_owner()
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".{OWNER_FILE}.{os.getpid()}"
+        tmp.write_text(self.identity.key)
+        os.replace(tmp, owner)
+
+    def _check_owner(self) -> bool:
+        """Whether the folder is this root's (a folder without an owner is nobody's yet)."""
+        try:
+            found = (self.root / OWNER_FILE).read_text()
+        except FileNotFoundError:
+            return True
+        if found != self.identity.key:
+            raise CheckpointError(
+                f"the memory folder {self.root} belongs to the root {found!r}, not to "
+                f"{self.identity.key!r}; it is never read from or deleted for another root. "
+                "Set MemoryTier(dir=...) to another folder."
+            )
+        return True
 
     def step_path(self, step: int) -> Path:
         return self.root / step_name(step)
@@ -137,6 +172,7 @@ class MemoryStore:
         from ..engine.commit import read_commit
         from ..format.codec import decode_metadata
 
+        self._check_owner()
         found = []
         for step in self.steps():
             storage = self.step(step)

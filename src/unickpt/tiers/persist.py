@@ -20,10 +20,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..checkpointer import step_name
 from ..engine.commit import LOCK_FILE, read_commit, remove_debris
 from ..errors import CheckpointError
 from ..format.metadata import COMMIT_FILE
+from ..root.names import step_name
 from ..storage.base import Storage
 from .memory import MemoryStore
 from .replicate import Committed

@@ -22,21 +22,20 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import api
+from ..config import Config
 from ..engine.futures import SaveFuture
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ..root import Root, RootIdentity
 from ..storage.base import Storage
 from .group import TierGroup
-from .memory import MemoryStore, MemoryTier, job_name
+from .memory import MemoryStore, MemoryTier
 from .nodes import Nodes, node_name
 from .persist import persist
 from .replicate import Committed, replicate, share_commit
 from .restore import choose, fetch, survey
-
-if TYPE_CHECKING:
-    from ..checkpointer import Checkpointer
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +55,29 @@ class RestoreInfo:
 
 @dataclass(frozen=True)
 class MemoryStats:
-    """Counts of this rank's memory tier since the Checkpointer was made."""
+    """Counts of this rank's memory tier since the Checkpointer was made.
+
+    ``persist_failures``: persists to storage that failed (each warned about; the memory
+    checkpoints stay, later persists and the one at ``close`` go on)."""
 
     saves: int = 0
     persists: int = 0
     persist_waits: int = 0
     persist_wait_s: float = 0.0
     replica_bytes: int = 0
+    persist_failures: int = 0
+
+
+@dataclass(frozen=True)
+class SaveSettings:
+    """How the Checkpointer saves: what the tier needs of it (it never sees the Checkpointer)."""
+
+    group: Any
+    config: Config
+    async_save: bool
+    background_snapshot: bool
+    quantize: dict[str, int] | None
+    keep_last: int | None
 
 
 class _Persist:
@@ -88,25 +103,38 @@ class _Persist:
 
 
 class TierPolicy:
-    """The memory tier of one Checkpointer (made on its first save or load, collectively)."""
+    """The memory tier of one Checkpointer's root (made on its first save or load,
+    collectively)."""
 
-    def __init__(self, ckpt: Checkpointer, tier: MemoryTier) -> None:
-        self.ckpt = ckpt
+    def __init__(self, root: Root, tier: MemoryTier, settings: SaveSettings) -> None:
+        self.root = root
         self.tier = tier
-        self.store = MemoryStore(tier.folder, job_name(ckpt.storage.location))
+        self.settings = settings
+        self.store: MemoryStore | None = None
         self.stats = MemoryStats()
         self.newest: Committed | None = None
+        self.pending: SaveFuture | None = None
         self._group: TierGroup | None = None
         self._nodes: Nodes | None = None
         self._persist: _Persist | None = None
         self._since_persist = 0
         self._lock = threading.Lock()
 
+    def bind(self, identity: RootIdentity) -> None:
+        """Use the memory checkpoints of the root with this identity (and no other's)."""
+        if self.store is None or self.store.identity != identity:
+            self.store = MemoryStore(self.tier.folder, identity)
+
+    def _bound(self) -> MemoryStore:
+        if self.store is None:
+            raise AssertionError("the memory tier is bound to its root's identity before a save")
+        return self.store
+
     # -- setup ---------------------------------------------------------------------------
 
     def _setup(self) -> tuple[TierGroup, Nodes]:
         if self._group is None or self._nodes is None:
-            group = TierGroup(self.ckpt.group, self.ckpt.config.collective_timeout_s)
+            group = TierGroup(self.settings.group, self.settings.config.collective_timeout_s)
             nodes = Nodes.from_names(group.rank, group.all_gather(node_name()))
             if self.tier.replicas > 1 and nodes.count == 1 and group.rank == 0:
                 log.warning(
@@ -126,44 +154,50 @@ class TierPolicy:
 
     def save(self, step: int, state: dict[str, Any]) -> SaveFuture:
         group, nodes = self._setup()
+        store = self._bound()
         self._make_room()
         group.barrier()  # every rank's persist of a retiring step is over
         if nodes.is_leader:
+            store.claim()
             keep = {self.newest.step} if self.newest is not None else set()
-            for gone in self.store.retire(keep):
+            for gone in store.retire(keep):
                 log.debug("retired memory step %d", gone)
         self._count(saves=1)
         self._since_persist += 1
         due = self._since_persist >= self.tier.persist_every
         if due:
             self._since_persist = 0
-        target = self.store.step_storage(step)
+        target = store.step_storage(step)
 
         def committed() -> None:
             self._after_commit(step, due)
 
-        ckpt = self.ckpt
-        if not ckpt.async_save:
+        s = self.settings
+        if not s.async_save:
             report = api.save(
                 target,
                 state,
-                group=ckpt.group,
+                group=s.group,
                 overwrite=True,
-                config=ckpt.config,
-                quantize=ckpt.quantize,
+                config=s.config,
+                quantize=s.quantize,
+                lock=False,
             )
             committed()
-            return SaveFuture.completed(report)
-        return api.async_save(
+            self.pending = SaveFuture.completed(report)
+            return self.pending
+        self.pending = api.async_save(
             target,
             state,
-            group=ckpt.group,
+            group=s.group,
             overwrite=True,
-            background_snapshot=ckpt.background_snapshot,
-            config=ckpt.config,
+            background_snapshot=s.background_snapshot,
+            config=s.config,
             on_commit=committed,
-            quantize=ckpt.quantize,
+            quantize=s.quantize,
+            lock=False,
         )
+        return self.pending
 
     def _make_room(self) -> None:
         """Before a save: wait for a persist of the checkpoint the save retires."""
@@ -174,8 +208,9 @@ class TierPolicy:
             self._finish_persist("")
 
     def _finish_persist(self, why: str) -> None:
-        """Wait for the running persist (counted and warned when it is not over); raise its
-        failure."""
+        """Wait for the running persist (counted and warned when it is not over). Its
+        failure is warned about and counted, never raised into a save: the memory
+        checkpoints are intact, and later persists (and the one at ``close``) go on."""
         running, self._persist = self._persist, None
         if running is None:
             return
@@ -189,17 +224,21 @@ class TierPolicy:
             running.join()
             self._count(persist_waits=1, persist_wait_s=time.perf_counter() - t0)
         if running.error is not None:
-            raise CheckpointError(
-                f"persisting memory step {running.step} to {self.ckpt.root} failed: "
-                f"{running.error}. The memory checkpoints are intact; fix the storage."
-            ) from running.error
+            self._count(persist_failures=1)
+            warnings.warn(
+                f"memory tier: persisting memory step {running.step} to {self.root.location} "
+                f"failed ({running.error}). The memory checkpoints are intact and later "
+                "persists go on; fix the storage, or the checkpoints will exist in memory only.",
+                stacklevel=4,
+            )
 
     def _after_commit(self, step: int, due: bool) -> None:
         """In the save's thread, on every rank: commit copies, replicas, then the persist."""
         group, nodes = self._setup()
-        committed = share_commit(group, nodes, self.store, step)
+        store = self._bound()
+        committed = share_commit(group, nodes, store, step)
         if self.tier.replicas > 1 and nodes.count > 1:
-            sent = replicate(group, nodes, self.store, committed, self.tier.replicas)
+            sent = replicate(group, nodes, store, committed, self.tier.replicas)
             self._count(replica_bytes=sent)
         self.newest = committed
         if due:
@@ -208,12 +247,13 @@ class TierPolicy:
     def _start_persist(self, committed: Committed) -> None:
         self._finish_persist("one persist runs at a time")
         rank = self._group.rank if self._group else 0
+        store, root = self._bound(), self.root
+        threads = self.settings.config.io_threads
 
         def work() -> None:
-            if persist(
-                self.store, committed, self.ckpt.storage, [rank], self.ckpt.config.io_threads
-            ):
-                self.ckpt._retain(committed.step, any_rank=True)
+            if persist(store, committed, root.storage, [rank], threads):
+                # Whoever sees the checkpoint committed in storage retires older steps there.
+                root.retain(committed.step, self.settings.keep_last)
             self._count(persists=1)
 
         self._persist = _Persist(committed.step, work)
@@ -221,22 +261,32 @@ class TierPolicy:
     # -- restore -------------------------------------------------------------------------
 
     def load_latest(
-        self, state: dict[str, Any], strict: bool, from_storage: Callable[[], int | None]
+        self,
+        state: dict[str, Any],
+        strict: bool,
+        from_storage: Callable[[dict[str, str]], int | None],
     ) -> tuple[int | None, RestoreInfo]:
+        """The newest step in memory, peers' memory or storage, loaded into ``state``.
+        ``from_storage(failed)`` loads from storage, reporting ``failed`` (memory sources that
+        did not load) with its own failures when nothing loads."""
         t0 = time.perf_counter()
         group, nodes = self._setup()
-        held, newest_stored = survey(group, nodes, self.store, self.ckpt.steps)
+        held, newest_stored = survey(group, nodes, self.store, self.root.list_committed)
         choice = choose(held)
-        if choice is not None and (newest_stored is None or choice.step >= newest_stored):
+        failed: dict[str, str] = {}
+        newest_in_memory = choice is not None and (
+            newest_stored is None or choice.step >= newest_stored
+        )
+        if self.store is not None and choice is not None and newest_in_memory:
             try:
                 fetching = fetch(group, nodes, self.store, choice, state)
                 try:
                     api.load(
                         fetching.view,
                         state,
-                        group=self.ckpt.group,
+                        group=self.settings.group,
                         strict=strict,
-                        config=self.ckpt.config,
+                        config=self.settings.config,
                     )
                 finally:
                     fetching.finish()  # the transfers' failure first, else the load's
@@ -246,12 +296,13 @@ class TierPolicy:
                 info = RestoreInfo(choice.step, source, seconds, fetching.received)
                 return choice.step, info
             except (CheckpointCorruptError, CheckpointNotFoundError) as e:
+                failed[f"memory step {choice.step} ({self.store.root})"] = str(e)
                 warnings.warn(
-                    f"memory checkpoint of step {choice.step} cannot be loaded ({e}); loading "
-                    "from storage instead.",
+                    f"memory checkpoint of step {choice.step} cannot be loaded ({e}); "
+                    "loading from storage instead.",
                     stacklevel=3,
                 )
-        step = from_storage()
+        step = from_storage(failed)
         source = "storage" if step is not None else "none"
         return step, RestoreInfo(step, source, time.perf_counter() - t0)
 
@@ -261,20 +312,20 @@ class TierPolicy:
         """Persist the newest memory checkpoint unless storage has it; free the job's memory.
 
         Collective. When storage does not end up with the checkpoint, raises on every rank and
-        leaves the memory checkpoints where they are (a restart still finds them).
+        leaves the memory checkpoints where they are (a restart still finds them). A persist
+        of an earlier step that failed does not stop the last one.
         """
-        if self._group is None or self._nodes is None:
+        if self._group is None or self._nodes is None or self.store is None:
             return
-        group, nodes = self._group, self._nodes
+        group, nodes, store = self._group, self._nodes, self.store
         running, self._persist = self._persist, None
-        failure: BaseException | None = None
         if running is not None:
             running.join()
-            failure = running.error
+        failure: BaseException | None = None
         newest, done = self.newest, True
-        if newest is not None and failure is None:
+        if newest is not None:
             try:
-                done = persist(self.store, newest, self.ckpt.storage, self._mine(newest))
+                done = persist(store, newest, self.root.storage, self._mine(newest))
             except Exception as e:  # noqa: BLE001 - every rank learns of it below
                 failure = e
         outcomes = group.all_gather((None if failure is None else str(failure), done))
@@ -283,14 +334,14 @@ class TierPolicy:
             errors = [f"no rank saw all files of step {newest and newest.step} in storage"]
         if errors:
             raise CheckpointError(
-                f"closing the memory tier: persisting to {self.ckpt.root} failed "
-                f"({'; '.join(errors)}); the memory checkpoints stay in {self.store.root}, "
+                f"closing the memory tier: persisting to {self.root.location} failed "
+                f"({'; '.join(errors)}); the memory checkpoints stay in {store.root}, "
                 "where a restart finds them."
             ) from failure
         if newest is not None and group.rank == 0:
-            self.ckpt._retain(newest.step, any_rank=True)
+            self.root.retain(newest.step, self.settings.keep_last)
         if nodes.is_leader:
-            self.store.clear()
+            store.clear()
 
     def _mine(self, committed: Committed) -> list[int]:
         """The writers whose files this rank persists: its own; after a restart on fewer
@@ -303,15 +354,15 @@ class TierPolicy:
         """Persist the newest memory checkpoint before the process ends, with no collective,
         within ``persist_deadline_s``: this rank's files and the replicas it keeps."""
         deadline = time.monotonic() + self.tier.persist_deadline_s
-        pending = self.ckpt._pending
+        pending = self.pending
         if pending is not None:
             with contextlib.suppress(Exception):
                 pending.wait(max(0.0, deadline - time.monotonic()))
         running = self._persist
         if running is not None:
             running.join(max(0.0, deadline - time.monotonic()))
-        newest, group, nodes = self.newest, self._group, self._nodes
-        if newest is None or group is None or nodes is None:
+        newest, group, nodes, store = self.newest, self._group, self._nodes, self.store
+        if newest is None or group is None or nodes is None or store is None:
             return
         kept = [s for s, d in nodes.sends(self.tier.replicas) if d == group.rank]
         ranks = [*self._mine(newest), *kept]
@@ -319,7 +370,7 @@ class TierPolicy:
 
         def work() -> None:
             try:
-                done = persist(self.store, newest, self.ckpt.storage, ranks)
+                done = persist(store, newest, self.root.storage, ranks)
                 outcome.append("committed" if done else "uploaded")
             except BaseException as e:  # noqa: BLE001 - logged: the process is ending anyway
                 outcome.append(f"failed: {e}")
@@ -332,7 +383,7 @@ class TierPolicy:
             "rank %d on the way down: memory step %d to %s: %s",
             group.rank,
             newest.step,
-            self.ckpt.root,
+            self.root.location,
             result,
         )
 

@@ -87,15 +87,24 @@ def choose(held: Sequence[Sequence[Holding]]) -> Choice | None:
 
 
 def survey(
-    group: TierGroup, nodes: Nodes, store: MemoryStore, storage_steps: Callable[[], list[int]]
+    group: TierGroup,
+    nodes: Nodes,
+    store: MemoryStore | None,
+    storage_steps: Callable[[], list[int]],
 ) -> tuple[list[list[Holding]], int | None]:
-    """What every node holds, and storage's newest committed step (the same on every rank)."""
-    mine = store.holdings() if nodes.is_leader else []
-    newest = None
-    if group.rank == 0:
-        steps = storage_steps()
-        newest = steps[-1] if steps else None
-    gathered = group.all_gather((mine, newest))
+    """What every node holds, and storage's newest committed step (the same on every rank).
+    A node's folder or storage's listing that cannot be read fails the survey on every rank.
+    ``store`` is None before the root has an identity (nothing in memory is this root's)."""
+
+    def look() -> tuple[None, tuple[list[Holding], int | None]]:
+        mine = store.holdings() if nodes.is_leader and store is not None else []
+        newest = None
+        if group.rank == 0:
+            steps = storage_steps()
+            newest = steps[-1] if steps else None
+        return None, (mine, newest)
+
+    _, gathered = run_step(group, "looking for the newest checkpoint", look)
     held = [gathered[nodes.leader(n)][0] for n in range(nodes.count)]
     return held, gathered[0][1]
 

@@ -10,7 +10,8 @@ it can be stopped and restarted at another world size by hand::
     torchrun --nproc-per-node 2 -m unickpt.demo --out out/demo-torchrun
     torchrun --nproc-per-node 1 -m unickpt.demo --out out/demo-torchrun
 
-Progress bars are drawn only when stderr is a terminal.
+Progress bars are drawn only when stderr is a terminal. When stdout is not a terminal (piped
+into a log or ``tee``), one line per phase event goes to stdout as it happens.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import logging
 import os
 import sys
 import threading
+from typing import TextIO
 
 from tqdm import tqdm
 
 from unickpt.demo import DemoConfig, DemoError, DemoResult, run_demo
 from unickpt.demo.events import (
     Event,
+    EventSink,
     Loaded,
     PhaseFinished,
     PhaseStarted,
@@ -135,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         )
         view = ProgressView(enabled=progress)
         try:
-            result = run_demo(config, view)
+            result = run_demo(config, with_phase_lines(view))
         finally:
             view.close()
     except DemoError as error:
@@ -245,13 +248,63 @@ class ProgressView:
             self._bar.set_postfix_str(text)
 
 
+class PhaseLines:
+    """An event sink that prints one line per phase event (start, resume, kill, end) and
+    flushes it, so a demo piped into a log shows its progress as it goes."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+        self._labels: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Event) -> None:
+        text = self._line(event)
+        if text is not None:
+            with self._lock:
+                print(text, file=self._out, flush=True)
+
+    def _line(self, event: Event) -> str | None:
+        if isinstance(event, PhaseStarted):
+            self._labels[event.phase] = event.label
+            what = "resuming" if event.resumes else "starting"
+            return (
+                f"{event.label}: {what} on {event.world_size} process"
+                f"{'es' if event.world_size != 1 else ''}, training to step {event.end_step}"
+            )
+        label = self._labels.get(event.phase, event.phase)
+        if isinstance(event, Loaded):
+            found = f"step {event.step}" if event.step is not None else "no checkpoint"
+            return f"{label}: loaded {found} in {event.load_s:.2f} s"
+        if isinstance(event, WorkerKilled):
+            return f"{label}: rank {event.rank} killed during the save of step {event.step}"
+        if isinstance(event, PhaseFinished):
+            return f"{label}: finished at step {event.last_step} in {event.elapsed_s:.1f} s"
+        return None
+
+
+def with_phase_lines(sink: EventSink, out: TextIO | None = None) -> EventSink:
+    """``sink``, plus :class:`PhaseLines` on ``out`` (stdout) when it is not a terminal."""
+    stream = sys.stdout if out is None else out
+    if stream.isatty():
+        return sink
+    lines = PhaseLines(stream)
+
+    def both(event: Event) -> None:
+        sink(event)
+        lines(event)
+
+    return both
+
+
 def _run_under_torchrun(config: DemoConfig, progress: bool) -> int:
     recorder = Recorder()
     view = ProgressView(enabled=progress)
 
+    lines = with_phase_lines(view)
+
     def sink(event: Event) -> None:
         recorder(event)
-        view(event)
+        lines(event)
 
     try:
         rank = run_under_torchrun(config, sink)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import pickle
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,25 @@ def test_import_reports_progress_up_to_the_bytes_written(tmp_path: Path) -> None
     done = [d for d, _ in calls]
     assert calls and done == sorted(done)
     assert calls[-1][0] == calls[-1][1] >= report.tensor_bytes
+
+
+def test_a_file_that_is_not_torch_save_says_what_it_is(tmp_path: Path) -> None:
+    (tmp_path / "hostname").write_text("myhost\n")
+    with pytest.raises(CheckpointError) as raised:
+        import_torch(tmp_path / "hostname", tmp_path / "c")
+    message = str(raised.value)
+    assert "is not a torch.save file (it starts with b'myhost\\n')" in message
+    assert "allow-pickle" not in message and "allow_pickle" not in message
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"is not a torch.save file \(it is empty\)"):
+        import_torch(tmp_path / "empty.pt", tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_plain_pickle_still_gets_the_allow_pickle_hint(tmp_path: Path) -> None:
+    # A real pickle (not torch.save's zip) that weights_only refuses: code execution is the
+    # only way to read it, so the hint stays.
+    with open(tmp_path / "p.pkl", "wb") as f:
+        pickle.dump({"obj": argparse.Namespace(a=1)}, f, protocol=4)
+    with pytest.raises(CheckpointError, match="--allow-pickle"):
+        import_torch(tmp_path / "p.pkl", tmp_path / "c")

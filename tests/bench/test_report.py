@@ -122,3 +122,11 @@ def test_hardware_line_shows_device_copies_only_when_measured() -> None:
     assert "GPU to pinned host 10,000 MB/s, pinned host to GPU 5,000 MB/s (100 MB" in markdown
     assert HardwareResult.from_dict(hw.to_dict()) == hw
     assert hw.to_dict()["d2h_bytes_per_s"] == 1e10 and _HW.to_dict()["d2h_bytes_per_s"] is None
+
+
+def test_setting_counts_the_runs_that_finished() -> None:
+    rows = list(_report().systems)
+    rows[1] = dataclasses.replace(rows[1], runs=2, failed_runs=1)  # one DCP run not started
+    text = to_markdown(BenchReport(_INFO, _HW, tuple(rows)))
+    assert "median of 2-3 runs (3 planned) per system" in text
+    assert "Fewer than 3 runs: a check of the harness" in text

@@ -145,19 +145,37 @@ def _device_copy_text(hw: HardwareResult) -> str:
 def _setting(report: BenchReport) -> str:
     info = report.info
     where = "CUDA, one GPU per rank, NCCL + gloo" if info.device == "cuda" else "gloo, CPU"
+    fewest = _fewest_runs(report)
     return (
         f"{info.params / 1e6:.1f}M-parameter GPT ({info.model.get('n_layer')} layers, "
         f"d_model {info.model.get('d_model')}) + AdamW, FSDP2 over {info.world} ranks ({where}); "
         f"state {info.state_bytes / _MB:,.0f} MB in total; torch {info.torch_version}, "
-        f"{info.cpu_count} CPUs; {info.started_at}. Each figure: median of {info.repeats} "
-        f"run{'s' if info.repeats != 1 else ''} per system (lowest-highest in brackets), systems "
-        "alternating, every run in fresh processes; ratios divide medians."
+        f"{info.cpu_count} CPUs; {info.started_at}. Each figure: median of {_runs_text(report)} "
+        "per system (lowest-highest in brackets), systems alternating, every run in fresh "
+        "processes; ratios divide medians."
         + (
             ""
-            if info.repeats >= MIN_REPEATS
+            if fewest >= MIN_REPEATS
             else f" Fewer than {MIN_REPEATS} runs: a check of the harness, not figures to quote."
         )
     )
+
+
+def _fewest_runs(report: BenchReport) -> int:
+    """The fewest runs a measured row has (the planned repeats when no row was measured)."""
+    done = [row.runs for row in report.systems if row.status == STATUS_OK]
+    return min([*done, report.info.repeats])
+
+
+def _runs_text(report: BenchReport) -> str:
+    """ "3 runs", or "1-2 runs (3 planned)" when some runs did not finish."""
+    planned = report.info.repeats
+    done = [row.runs for row in report.systems if row.status == STATUS_OK] or [planned]
+    low, high = min(done), max(done)
+    if low >= planned:
+        return f"{planned} run{'s' if planned != 1 else ''}"
+    span = f"{low}" if low == high else f"{low}-{high}"
+    return f"{span} run{'s' if high != 1 else ''} ({planned} planned)"
 
 
 def gpu_line(info: RunInfo) -> str:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -144,3 +145,51 @@ def test_row_runs_decode_alike() -> None:
     assert _new(raw, 0, new_table) == _old(raw, 0, old_table)
     assert new_table.names() == old_table.names()
     assert _new(raw, 0, FileTable(["d"]))["table"][1].file == 1
+
+
+FORGED_BOUNDS = {
+    "a chunk without checksums": (
+        lambda d: d["chunks"][1].__setitem__(5, []),
+        "idx: the chunk of 'w' has no checksums; expected one per segment",
+    ),
+    "a row run without checksums": (
+        lambda d: d["runs"][0][7].__setitem__(0, ""),
+        "the checksums of a row run of 't' are 0 characters, expected 16 per segment",
+    ),
+    "a chunk of 100 dimensions beside 2-d ones": (
+        lambda d: (
+            d["chunks"][0].__setitem__(1, [0] * 100) or d["chunks"][0].__setitem__(2, [1] * 100)
+        ),
+        "has 100 offsets",
+    ),
+}
+
+
+@pytest.mark.parametrize(("forge", "says"), FORGED_BOUNDS.values(), ids=list(FORGED_BOUNDS))
+def test_index_bounds_refused_by_both_decoders(forge: Any, says: str) -> None:
+    """What an index says is checked before it is used: every chunk carries its checksums
+    (one per segment: a chunk without them would load unverified), and dimensions are
+    bounded before rows of different dimensions are padded into one array."""
+    run = [
+        ChunkMeta((0, 0), (2, 4), 0, 0, 32, SUMS[:1]),
+        ChunkMeta((2, 0), (1, 4), 0, 64, 16, SUMS[:1]),
+    ]
+    doc = json.loads(encode_index("d", LAYOUTS["row shards"], runs=[("t", run)]))
+    forge(doc)
+    raw = json.dumps(doc).encode()
+    for decode in (decode_index, decode_index_arrays):
+        with pytest.raises(CheckpointCorruptError, match=r"^idx: ") as info:
+            decode(raw, "idx", 0, FileTable(["d"]))
+        assert says in str(info.value)
+
+
+def test_json_nested_too_deep_names_the_file() -> None:
+    raw = (
+        b'{"format":"unickpt-index","version":2,"chunks":' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    )
+    for decode in (decode_index, decode_index_arrays):
+        with pytest.raises(CheckpointCorruptError) as info:
+            decode(raw, "ckpt/index-x-00000.json", 0)
+        message = str(info.value)
+        assert message.startswith("ckpt/index-x-00000.json: expected JSON written by unickpt")
+        assert "RecursionError" in message and "the file is damaged" in message

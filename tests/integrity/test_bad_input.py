@@ -6,16 +6,22 @@ found and what to do, then that the state and the checkpoint are as they were.
 
 from __future__ import annotations
 
+import base64
+import functools
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from xxhash import xxh3_64_hexdigest
 
 import unickpt
 from tests.integrity._helpers import (
@@ -322,7 +328,7 @@ def test_disk_full_in_the_middle_of_a_save(tmp_path: Path, async_save: bool) -> 
             assert ckpt.load_latest(state) == 1 and _holds(state, 1.0)
             ckpt.save(3, _model_state(3.0)).wait()  # the unfinished step 2 is cleared away
         names = sorted(p.name for p in root.iterdir())
-        assert names == ["LOCK", "step-000000001", "step-000000003"]
+        assert names == ["LOCK", "ROOT_ID", "step-000000001", "step-000000003"]
         assert tmp_files(root) == []
 
 
@@ -348,3 +354,157 @@ def test_read_only_folder(saved: Path, tmp_path: Path) -> None:
             unickpt.save(ro, _model_state(2.0), overwrite=True)
         assert _loads(ro, 1.0)
     assert _loads(saved, 1.0)
+
+
+def _forge_metadata(path: Path, change: Any) -> None:
+    doc = read_metadata(path)
+    change(doc)
+    metadata_path(path).write_bytes(json.dumps(doc).encode())
+    repin(path)
+
+
+def _two_steps(root: Path) -> Path:
+    """A root with steps 1 and 2 (fills 1.0 and 2.0); the folder of step 2."""
+    with unickpt.Checkpointer(root) as ckpt:
+        ckpt.save(1, _model_state(1.0)).wait()
+        ckpt.save(2, _model_state(2.0)).wait()
+    (step,) = [p for p in root.iterdir() if p.name.endswith("2")]
+    return step
+
+
+def _falls_back_to_step_1(root: Path, says: str) -> None:
+    state = _blank()
+    with unickpt.Checkpointer(root) as ckpt, pytest.warns(UserWarning, match=says):
+        assert ckpt.load_latest(state) == 1
+    assert _holds(state, 1.0)
+
+
+def test_unknown_dtype_in_metadata(tmp_path: Path) -> None:
+    """A dtype no torch has is damage (the load falls back), not a state to make anew."""
+    step = _two_steps(tmp_path / "run")
+    _forge_metadata(step, lambda d: d["tensors"]["model.w"].__setitem__("dtype", "notadtype"))
+    with pytest.raises(unickpt.CheckpointCorruptError) as info:
+        unickpt.load(step, _blank())
+    message = str(info.value)
+    assert "the metadata names dtype 'notadtype' for key 'model.w'; known: " in message
+    assert (
+        "float16, float32, " in message and "the file is damaged or from a newer unickpt" in message
+    )
+    assert "create the state" not in message
+    _falls_back_to_step_1(tmp_path / "run", "names dtype 'notadtype'")
+
+
+@pytest.mark.parametrize("where", ["metadata", "index", "COMMIT"])
+def test_json_nested_too_deep(tmp_path: Path, where: str) -> None:
+    """JSON nested deeper than the parser goes is a damaged file, named, and the load falls
+    back (it was a bare RecursionError)."""
+    step = _two_steps(tmp_path / "run")
+    deep = b"[" * 100_000 + b"]" * 100_000
+    if where == "COMMIT":
+        path = step / "COMMIT"
+        path.write_bytes(path.read_bytes().replace(b'"format"', b'"deep": ' + deep + b', "format"'))
+    elif where == "metadata":  # pinned in COMMIT without parsing it (repin would)
+        path = metadata_path(step)
+        raw = path.read_bytes().replace(b'"producer":', b'"deep":' + deep + b',"producer":')
+        path.write_bytes(raw)
+        commit = json.loads((step / "COMMIT").read_bytes())
+        commit["metadata_nbytes"], commit["metadata_checksum"] = len(raw), xxh3_64_hexdigest(raw)
+        (step / "COMMIT").write_text(json.dumps(commit))
+    else:
+        path = step / read_metadata(step)["files"][0]["index"]
+        path.write_bytes(path.read_bytes().replace(b'"chunks":', b'"deep":' + deep + b',"chunks":'))
+        repin(step)
+    with pytest.raises(unickpt.CheckpointCorruptError) as info:
+        unickpt.load(step, _blank())
+    message = str(info.value)
+    assert f"{path.name}: expected JSON written by unickpt" in message
+    assert "RecursionError" in message and "the file is damaged" in message
+    _falls_back_to_step_1(tmp_path / "run", "RecursionError")
+
+
+def test_chunk_without_checksums(saved: Path) -> None:
+    """A chunk whose checksums were emptied (its bytes then changed) would load unverified:
+    refused, as is a chunk with more checksums than its segments."""
+    index = saved / read_metadata(saved)["files"][0]["index"]
+    doc = json.loads(index.read_bytes())
+    chunk = next(c for c in doc["chunks"] if c[0] == "model.w")
+    chunk[5] = []
+    index.write_bytes(json.dumps(doc).encode())
+    repin(saved)
+    data = saved / read_metadata(saved)["files"][0]["data"]
+    raw = bytearray(data.read_bytes())
+    raw[chunk[3]] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    state = _blank()
+    with pytest.raises(unickpt.CheckpointCorruptError) as info:
+        unickpt.load(saved, state)
+    message = str(info.value)
+    assert f"{index.name}: the chunk of 'model.w' has no checksums; expected one per" in message
+    assert same_tensor(state["model"]["w"], torch.zeros(4, 3))
+
+    chunk[5] = ["0011223344556677", "8899aabbccddeeff"]
+    index.write_bytes(json.dumps(doc).encode())
+    repin(saved)
+    with pytest.raises(unickpt.CheckpointCorruptError) as info:
+        unickpt.load(saved, _blank())
+    assert "2 checksums; its box and dtype need 48 bytes and 1 checksums" in str(info.value)
+
+
+_PEAK_SCRIPT = """
+import resource, sys
+import torch, unickpt
+def peak_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+before = peak_mib()
+state = {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(5, dtype=torch.int64)}, "step": -1}
+try:
+    unickpt.load(sys.argv[1], state)
+    outcome = "loaded"
+except unickpt.CheckpointError as e:
+    outcome = f"{type(e).__name__}: {e}"
+print(f"{before:.0f} {peak_mib():.0f} {outcome}")
+"""
+
+
+@functools.cache
+def _zeros_packed(nbytes: int) -> str:
+    """Base64 of ``nbytes`` zero bytes, deflated (1000 times smaller), made in pieces."""
+    deflate = zlib.compressobj(9)
+    piece = bytes(64 << 20)
+    parts = [
+        deflate.compress(piece[: min(len(piece), nbytes - i)]) for i in range(0, nbytes, len(piece))
+    ]
+    return base64.b64encode(b"".join(parts) + deflate.flush()).decode("ascii")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("declared", ["few rows", "many rows"])
+def test_chunk_map_that_inflates_to_gigabytes(saved: Path, declared: str) -> None:
+    """A 3 MB metadata whose chunk map inflates to 2 GiB: refused before it is inflated, its
+    cost bounded (peak memory of a fresh process, measured)."""
+    gib = 1 << 30
+
+    def bomb(doc: dict[str, Any]) -> None:
+        layout = doc["chunk_map"]["layouts"][0]
+        layout["coords"] = _zeros_packed(2 * gib)
+        if declared == "many rows":  # as many rows as the zeros make, of two dimensions
+            layout["ndim"], layout["rows"] = 2, 2 * gib // 32
+            layout["files"] = _zeros_packed(2 * gib // 4)
+
+    _forge_metadata(saved, bomb)
+    assert metadata_path(saved).stat().st_size < 4_000_000
+    run = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, str(saved)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    before_mib, peak_mib, outcome = run.stdout.strip().split(" ", 2)
+    print(f"chunk map bomb ({declared}): peak {peak_mib} MiB, {before_mib} MiB before the load")
+    assert outcome.startswith("CheckpointCorruptError: ")
+    if declared == "few rows":
+        assert "a chunk map layout holds more or fewer bytes than" in outcome
+    else:
+        assert "chunks, more than the 1 indexes of 183 bytes can list" in outcome
+    assert int(peak_mib) < 500, outcome

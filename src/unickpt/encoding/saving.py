@@ -75,12 +75,36 @@ def _encode_leaf(flat: Flattened, key: str, bits: int) -> EncodedTable:
                 f"{box.offsets[0] + box.lengths[0]}; per-row quantization needs finite values. "
                 "Leave it out of quantize."
             )
+        _check_range(key, box.offsets[0], view)
         stored_box = Box((box.offsets[0], 0), (box.lengths[0], width))
         sums = errors[stored_box] = ErrorSums()
         pieces.append((stored_box, quantize_rows(view.detach(), bits, sums).cpu()))
     flat.tensors[key] = TensorLeaf(key, torch.uint8, (rows, width), leaf.layout, pieces)
     encoding = Encoding(NAME, bits, dtype_name(leaf.dtype), (rows, columns))
     return EncodedTable(encoding, errors)
+
+
+FLOAT32_RANGE = torch.finfo(torch.float32).max * (1 - 2**-16)
+"""The widest range of a row whose float32 scale and decoded values stay finite (with a margin
+for the rounding of the scale)."""
+
+
+def _check_range(key: str, first_row: int, view: torch.Tensor) -> None:
+    """Each row's values and their range within float32, where a row's scale and minimum are
+    kept (a finite row of float32 values from -3e38 to 3e38 has an infinite range there)."""
+    if view.numel() == 0:
+        return
+    low, high = (x.to(torch.float64) for x in torch.aminmax(view.detach(), dim=1))
+    wide = (high - low > FLOAT32_RANGE) | (low < -FLOAT32_RANGE) | (high > FLOAT32_RANGE)
+    bad = torch.nonzero(wide).flatten()
+    if len(bad):
+        i = int(bad[0])
+        raise CheckpointError(
+            f"'{key}' row {first_row + i} holds values from {float(low[i]):.6g} to "
+            f"{float(high[i]):.6g}, a range wider than float32 holds ({FLOAT32_RANGE:.6g}); "
+            "per-row quantization keeps each row's minimum and scale in float32. Scale the "
+            f"table down before saving, or leave '{key}' out of quantize."
+        )
 
 
 def written_errors(

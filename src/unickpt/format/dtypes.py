@@ -33,9 +33,9 @@ def check_dtype_name(name: str, key: str, source: str) -> str:
     otherwise ask for a state of that dtype)."""
     if not isinstance(getattr(torch, name, None), torch.dtype):
         raise CheckpointCorruptError(
-            f"{source}: the metadata names dtype {name!r} for '{key}'; known: "
-            f"{', '.join(known_dtype_names())}. The file is damaged or from a newer unickpt "
-            "(or torch): load an earlier checkpoint, or upgrade."
+            f"{source}: the metadata names dtype {name!r} for key '{key}'; known: "
+            f"{', '.join(known_dtype_names())}; the file is damaged or from a newer unickpt "
+            "(or torch). Load an earlier checkpoint, or upgrade."
         )
     return name
 

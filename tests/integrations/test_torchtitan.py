@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,7 @@ pytestmark = pytest.mark.slow
 def _reference_fsdp(rank: int, world: int, folder: str) -> dict[str, Any]:
     from tests.integrations import titan_job as tj
 
+    records = tj.record_logs()
     job = tj.build(
         world,
         1,
@@ -31,34 +36,61 @@ def _reference_fsdp(rank: int, world: int, folder: str) -> dict[str, Any]:
     )
     losses = tj.train(job, 6, 6)
     job.manager.close()
-    return {"losses": losses, "digests": tj.digests(job)}
+    return {"losses": losses, "digests": tj.digests(job), "logs": records.messages}
 
 
 def _resume_fsdp(rank: int, world: int, folder: str) -> dict[str, Any]:
     from tests.integrations import titan_job as tj
 
+    records = tj.record_logs()
     job = tj.build(world, 1, folder, 6, interval=2, load_only=True)
     assert job.manager.load(step=4)
     assert job.train_state.step == 4
     losses = tj.train(job, 6, 6)
     job.manager.close()
-    return {"losses": losses, "digests": tj.digests(job)}
+    return {"losses": losses, "digests": tj.digests(job), "logs": records.messages}
 
 
 def _load_one_rank(rank: int, world: int, folder: str) -> dict[str, Any]:
     from tests.integrations import titan_job as tj
 
+    records = tj.record_logs()
     job = tj.build(world, 1, folder, 6, load_only=True, exclude_from_loading=["dataloader"])
     assert job.manager.load()
     step = job.train_state.step
     job.manager.close()
-    return {"step": step, "digests": tj.digests(job)}
+    return {"step": step, "digests": tj.digests(job), "logs": records.messages}
+
+
+SECONDS = r"\d+\.\d\d seconds"
+
+
+def _saved(ckpt: Path, step: int) -> list[str]:
+    return [
+        re.escape(f"Saving the checkpoint (step {step}) to {ckpt}/step-{step:09d}"),
+        rf"Finished saving the checkpoint in {SECONDS} \(\d+ bytes written by this rank\)",
+    ]
+
+
+def _loaded(ckpt: Path, step: int) -> list[str]:
+    return [
+        re.escape(f"Loading the checkpoint from {ckpt}/step-{step:09d}"),
+        rf"Finished loading the checkpoint in {SECONDS} \(step {step}, source storage\)",
+    ]
+
+
+def _assert_logs(messages: list[str], patterns: list[str]) -> None:
+    titan = [m for m in messages if m.startswith(("Saving", "Finished", "Loading"))]
+    assert len(titan) == len(patterns), titan
+    for message, pattern in zip(titan, patterns, strict=True):
+        assert re.fullmatch(pattern, message), (message, pattern)
 
 
 def test_fsdp2_save_resume_on_two_and_one_rank(tmp_path: Path) -> None:
     folder = str(tmp_path)
     ref = run_ranks(2, _reference_fsdp, folder)[0]
     ckpt = tmp_path / "ckpt"
+    _assert_logs(ref["logs"], _saved(ckpt, 2) + _saved(ckpt, 4) + _saved(ckpt, 6))
     # keep_latest_k=2: of the saves at steps 2, 4 and 6, the last two remain
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-000000004", "step-000000006"]
     summary = inspect_checkpoint(ckpt / "step-000000004")
@@ -72,10 +104,12 @@ def test_fsdp2_save_resume_on_two_and_one_rank(tmp_path: Path) -> None:
     one = run_ranks(1, _load_one_rank, folder)[0]
     assert one["step"] == 6
     assert one["digests"] == ref["digests"]  # resharded 2 -> 1 rank, bit for bit
+    _assert_logs(one["logs"], _loaded(ckpt, 6))  # load(): the newest step
 
     resumed = run_ranks(2, _resume_fsdp, folder)[0]
     assert resumed["losses"] == ref["losses"][4:]
     assert resumed["digests"] == ref["digests"]  # same layout: training continues bit for bit
+    _assert_logs(resumed["logs"], _loaded(ckpt, 4))  # load_only: no saves
 
 
 def _reference_tp(rank: int, world: int, folder: str) -> dict[str, Any]:
@@ -127,3 +161,38 @@ def test_config_refuses_what_it_cannot_do() -> None:
         UnickptCheckpointManager.Config(async_mode="sometimes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="keep_latest_k"):  # torchtitan's own checks still apply
         UnickptCheckpointManager.Config(keep_latest_k=-1)
+
+
+def test_config_from_config_keeps_every_setting_of_the_registry_config(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    from unickpt.integrations.torchtitan import UnickptCheckpointManager
+
+    registry = llama3_debugmodel().checkpoint  # interval=10, last_save_model_only=False
+    ours = UnickptCheckpointManager.Config.from_config(registry, enable=True, async_mode="async")
+    assert isinstance(ours, UnickptCheckpointManager.Config)
+    assert (ours.enable, ours.async_mode) == (True, "async")
+    assert (ours.interval, ours.last_save_model_only) == (10, False)
+    kept = {"enable", "async_mode"}
+    for field in dataclasses.fields(registry):
+        if field.init and field.name not in kept:
+            assert getattr(ours, field.name) == getattr(registry, field.name), field.name
+
+    @dataclass(kw_only=True, slots=True)
+    class Other(CheckpointManager.Config):  # another manager's, with a setting ours lacks
+        staging_gb: int = 0
+
+    with caplog.at_level(logging.WARNING, logger="unickpt.integrations.torchtitan"):
+        other = UnickptCheckpointManager.Config.from_config(Other(interval=7, staging_gb=4))
+    assert other.interval == 7
+    ours_only = [r for r in caplog.records if r.name == "unickpt.integrations.torchtitan"]
+    assert [r.getMessage() for r in ours_only] == [
+        "UnickptCheckpointManager ignores these settings of "
+        "test_config_from_config_keeps_every_setting_of_the_registry_config.<locals>.Other: "
+        "staging_gb=4"
+    ]
+    with pytest.raises(TypeError, match="has no field intervall; expected some of"):
+        UnickptCheckpointManager.Config.from_config(registry, intervall=5)

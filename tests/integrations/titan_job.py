@@ -9,6 +9,7 @@ assumes an accelerator) and attention uses its SDPA module (flex attention has n
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from torchtitan.distributed.activation_checkpoint import SelectiveAC  # noqa: E4
 from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
+from torchtitan.tools.logging import init_logger  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from unickpt.integrations.torchtitan import UnickptCheckpointManager  # noqa: E402
@@ -76,6 +78,24 @@ class TrainState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = state_dict["step"]
         self.ntokens_seen = state_dict["ntokens_seen"]
+
+
+class Records(logging.Handler):
+    """The manager's log messages, as torchtitan's logger (root, INFO) would print them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def record_logs() -> Records:
+    init_logger()  # what torchtitan's train.py does: the root logger at INFO, to stdout
+    records = Records()
+    logging.getLogger("unickpt.integrations.torchtitan").addHandler(records)
+    return records
 
 
 @dataclass

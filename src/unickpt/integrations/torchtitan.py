@@ -1,13 +1,17 @@
 """torchtitan: a checkpoint manager that saves and loads through unickpt.
 
-The one-line switch, in a torchtitan ``Trainer.Config``::
+The one-line switch, in a torchtitan ``Trainer.Config``, keeping every setting of the config's
+own checkpoint section (a registry config's ``interval``, ``last_save_model_only``...)::
 
     from unickpt.integrations.torchtitan import UnickptCheckpointManager
 
-    config.checkpoint = UnickptCheckpointManager.Config(enable=True, interval=500,
-                                                        async_mode="async")
+    config.checkpoint = UnickptCheckpointManager.Config.from_config(
+        config.checkpoint, enable=True, async_mode="async"
+    )
 
-The trainer then builds this manager where it would build its DCP one. What it maps:
+The trainer then builds this manager where it would build its DCP one. It logs as torchtitan
+does (``Saving the checkpoint (step N) to ...``, ``Finished saving the checkpoint in ...``,
+``Loading the checkpoint from ...``, ``Finished loading the checkpoint in ...``). What it maps:
 
 - ``model``: the model parts' state dicts merged (FSDP2/TP DTensors reshard on load);
 - ``optimizer``: the optimizers container's own flat, FQN-keyed state dict;
@@ -28,8 +32,12 @@ data loader, whose state belongs to a data-parallel rank: list ``"dataloader"`` 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -110,6 +118,40 @@ class UnickptCheckpointManager(BaseCheckpointManager):
                     "(initial_load_in_hf and last_save_in_hf must be False)."
                 )
 
+        @classmethod
+        def from_config(
+            cls, config: BaseCheckpointManager.Config, **overrides: Any
+        ) -> UnickptCheckpointManager.Config:
+            """This manager's config with every setting of another checkpoint config kept
+            (torchtitan's ``CheckpointManager.Config`` from a registry, say), then
+            ``overrides`` applied. Settings this config has no field for are ignored, with a
+            warning naming those that differ from their default.
+
+            >>> config.checkpoint = UnickptCheckpointManager.Config.from_config(
+            ...     config.checkpoint, enable=True, async_mode="async"
+            ... )  # doctest: +SKIP
+            """
+            own = {f.name for f in dataclasses.fields(cls) if f.init}
+            unknown = sorted(set(overrides) - own)
+            if unknown:
+                raise TypeError(
+                    f"UnickptCheckpointManager.Config has no field {', '.join(unknown)}; "
+                    f"expected some of {sorted(own)}."
+                )
+            values = {
+                f.name: copy.deepcopy(getattr(config, f.name))
+                for f in dataclasses.fields(config)
+                if f.name in own
+            }
+            ignored = _set_fields(config, skip=own)
+            if ignored:
+                log.warning(
+                    "UnickptCheckpointManager ignores these settings of %s: %s",
+                    type(config).__qualname__,
+                    ", ".join(ignored),
+                )
+            return cls(**{**values, **overrides})
+
     def __init__(
         self,
         config: Config,
@@ -142,6 +184,7 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         self.model_parts = model_parts
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self._staging: SaveFuture | None = None
+        self._reporter: threading.Thread | None = None  # logs the pending save's end
         self._hooks = [
             opt.register_step_pre_hook(self._before_step) for opt in _inner_optimizers(optimizers)
         ]
@@ -164,13 +207,16 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         if not self._should_save(curr_step, last_step):
             return False
         self.maybe_wait_for_saving()
+        log.info("Saving the checkpoint (step %d) to %s", curr_step, self._ckpt.path(curr_step))
+        begin = time.monotonic()
         if last_step:
-            self._save_last_step(curr_step)
-            return True
-        future = self._ckpt.save(curr_step, self.states)
-        if self.config.async_mode != "disabled":
-            self.save_future = future
-            self._staging = future
+            future = self._save_last_step(curr_step)
+        else:
+            future = self._ckpt.save(curr_step, self.states)
+            if self.config.async_mode != "disabled":
+                self.save_future = future
+                self._staging = future
+        self._report_when_done(future, begin)
         return True
 
     def _should_save(self, curr_step: int, last_step: bool) -> bool:
@@ -183,15 +229,26 @@ class UnickptCheckpointManager(BaseCheckpointManager):
             or curr_step % c.interval == 0
         )
 
-    def _save_last_step(self, curr_step: int) -> None:
+    def _save_last_step(self, curr_step: int) -> SaveFuture:
         """The final save completes before training ends; model only unless asked for all."""
         if not self.config.last_save_model_only:
-            self._ckpt.save(curr_step, self.states)
+            future = self._ckpt.save(curr_step, self.states)
         else:
             weights = ModelParts(self.model_parts).state_dict()
             model = {k: self._export(v) for k, v in weights.items()}
-            self._ckpt.save(curr_step, {MODEL: model})
+            future = self._ckpt.save(curr_step, {MODEL: model})
         self._ckpt.wait()
+        return future
+
+    def _report_when_done(self, future: SaveFuture, begin: float) -> None:
+        """Log the end of a save: now if it is over, else from a thread when it is."""
+        if future.done():
+            _log_saved(future, begin)
+            return
+        self._reporter = threading.Thread(
+            target=_log_saved, args=(future, begin), name="unickpt-titan-report", daemon=True
+        )
+        self._reporter.start()
 
     def _export(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -209,13 +266,11 @@ class UnickptCheckpointManager(BaseCheckpointManager):
                     f"no committed checkpoint of step {step} in {self.folder} (committed: "
                     f"{steps or 'none'}); pass one of those, or -1 for the newest."
                 )
-            api.load(self._ckpt.path(step), self._to_load(step == 0))
-            return True
+            return self._load_path(self._ckpt.path(step), step, model_only=step == 0)
         if steps and steps[-1] > 0:
-            return self._ckpt.load_latest(self._to_load(False)) is not None
+            return self._load_newest(steps[-1])
         if steps:  # a seed checkpoint holds the model only
-            api.load(self._ckpt.path(0), self._to_load(True))
-            return True
+            return self._load_path(self._ckpt.path(0), 0, model_only=True)
         path = self.config.initial_load_path
         if not path:
             log.info("no checkpoint in %s; training starts from scratch", self.folder)
@@ -225,7 +280,24 @@ class UnickptCheckpointManager(BaseCheckpointManager):
                 f"checkpoint.initial_load_path {path} is not a folder; expected a unickpt "
                 "checkpoint (convert others with `unickpt convert --from ...`)."
             )
-        api.load(path, self._to_load(self.config.initial_load_model_only))
+        return self._load_path(path, None, self.config.initial_load_model_only)
+
+    def _load_path(self, path: str, step: int | None, model_only: bool) -> bool:
+        log.info("Loading the checkpoint from %s", path)
+        begin = time.monotonic()
+        api.load(path, self._to_load(model_only))
+        _log_loaded(begin, step, "storage")
+        return True
+
+    def _load_newest(self, newest: int) -> bool:
+        """The newest intact step (an older one where the newest is damaged)."""
+        log.info("Loading the checkpoint from %s", self._ckpt.path(newest))
+        begin = time.monotonic()
+        step = self._ckpt.load_latest(self._to_load(False))
+        if step is None:
+            return False
+        restore = getattr(self._ckpt, "last_restore", None)  # set where a memory tier serves
+        _log_loaded(begin, step, restore.source if restore is not None else "storage")
         return True
 
     def _to_load(self, model_only: bool) -> dict[str, Any]:
@@ -253,7 +325,15 @@ class UnickptCheckpointManager(BaseCheckpointManager):
 
     def _wait_for_saving(self) -> None:
         self.save_future = None
-        self._ckpt.wait()
+        try:
+            self._ckpt.wait()
+        finally:
+            self._join_reporter()
+
+    def _join_reporter(self) -> None:
+        reporter, self._reporter = self._reporter, None
+        if reporter is not None:
+            reporter.join()
 
     def _close(self) -> None:
         if getattr(self, "_closed", True):
@@ -264,7 +344,50 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         self._hooks = []
         self._staging = None
         self.save_future = None
-        self._ckpt.close()
+        try:
+            self._ckpt.close()
+        finally:
+            self._join_reporter()
+
+
+def _log_saved(future: SaveFuture, begin: float) -> None:
+    """``Finished saving ...`` once the save is committed (a failure is raised by the waits)."""
+    future.wait_done()
+    if future.exception() is not None:
+        return
+    seconds = time.monotonic() - begin
+    written = getattr(future.wait(), "bytes_written", None)
+    size = f" ({written} bytes written by this rank)" if written is not None else ""
+    log.info("Finished saving the checkpoint in %.2f seconds%s", seconds, size)
+
+
+def _log_loaded(begin: float, step: int | None, source: str) -> None:
+    which = f"step {step}" if step is not None else "checkpoint.initial_load_path"
+    log.info(
+        "Finished loading the checkpoint in %.2f seconds (%s, source %s)",
+        time.monotonic() - begin,
+        which,
+        source,
+    )
+
+
+def _set_fields(config: Any, skip: set[str]) -> list[str]:
+    """``name=value`` of the fields of ``config`` not in ``skip`` that differ from their
+    defaults."""
+    out = []
+    for f in dataclasses.fields(config):
+        if f.name in skip or not f.init:
+            continue
+        value = getattr(config, f.name)
+        if f.default is not dataclasses.MISSING:
+            default: Any = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        if value != default:
+            out.append(f"{f.name}={value!r}")
+    return out
 
 
 def _inner_optimizers(container: Any) -> list[torch.optim.Optimizer]:

@@ -29,7 +29,10 @@ from .engine.loader import load as _load
 from .engine.references import resolving
 from .engine.staging import ARENA, snapshot, stream_marker
 from .engine.write import ItemSource
+from .foreign.detect import read_any, split_source
+from .format.metadata import Metadata
 from .planning.capture import Capture, capture
+from .planning.load_keys import KeyMap
 from .storage.base import Storage
 from .storage.registry import open_storage
 
@@ -71,8 +74,15 @@ def save(
     incremental: IncrementalSave | None = None,
     quantize: Mapping[str, int] | None = None,
     lock: bool = True,
+    format: str = "unickpt",
+    max_shard_size: int | str = "5GB",
 ) -> saver.SaveReport:
     """Save ``state`` to ``path``; durable and committed when it returns.
+
+    ``format="safetensors"`` writes Hugging Face's layout instead (shards of about
+    ``max_shard_size`` and ``model.safetensors.index.json``, as ``save_pretrained``), every
+    rank writing the bytes it holds straight into the shards; only tensors (see
+    :func:`unickpt.foreign.safetensors_write.save_safetensors`, docs/formats.md).
 
     ``progress(bytes_written, bytes_total)``, when given, is called on every rank as pieces of
     its data file land (a progress bar for long saves). ``incremental`` is how a
@@ -91,6 +101,10 @@ def save(
     wait_pending()
     cfg = config or get_config()
     comm = Comm(group, cfg.collective_timeout_s)
+    if format != "unickpt":
+        from .foreign.safetensors_write import save_safetensors
+
+        return save_safetensors(path, state, comm, format, max_shard_size, overwrite, cfg)
     storage = storage_for(path)
     quantized = check_quantize(quantize)
     prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock)
@@ -325,8 +339,16 @@ def load(
     allow_pickle: bool = False,
     verify: bool | None = None,
     config: Config | None = None,
+    keys: KeyMap | None = None,
 ) -> LoadReport:
     """Load the checkpoint at ``path`` into ``state`` in place, resharding as needed.
+
+    ``path`` may also hold a Hugging Face safetensors model (a folder with
+    ``model.safetensors`` or ``model.safetensors.index.json``, or that file) or a
+    ``torch.distributed.checkpoint`` folder: each rank reads the bytes of what it holds, without
+    checksums to verify (``LoadReport.unverified_files``). ``keys`` renames saved keys to the
+    state's: a dict, or a function from saved key to state key (None keeps the name), e.g.
+    ``keys=lambda k: "model." + k`` to load a Hugging Face model into ``{"model": model}``.
 
     Tensors in ``state`` are filled, other leaves replaced, stateful objects (modules,
     optimizers, schedulers, anything with ``load_state_dict``) get their loaded state.
@@ -341,8 +363,13 @@ def load(
     if verify is not None and verify != cfg.verify:
         cfg = dataclasses.replace(cfg, verify=verify)
     comm = Comm(group, cfg.collective_timeout_s)
-    storage = resolving(storage_for(path))
+    folder, name = split_source(path)
+    storage = resolving(folder)
+
+    def read_meta(where: Storage) -> Metadata:
+        return read_any(where, name, allow_pickle)
+
     try:
-        return _load(comm, storage, state, strict, allow_pickle, cfg)
+        return _load(comm, storage, state, strict, allow_pickle, cfg, keys, read_meta)
     finally:
         storage.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ from ..config import Config
 from ..dist import Comm, run_step
 from ..encoding.reading import DecodeItem, plan_encoded_reads, stored_rows
 from ..errors import CheckpointCorruptError, CheckpointMismatchError, UnsafeObjectError
+from ..foreign.common import foreign_format
 from ..format.metadata import Metadata
 from ..format.values import decode_value
 from ..layouts.boxes import Box
@@ -20,10 +22,12 @@ from ..layouts.leaves import PerRank
 from ..planning.exchange_plan import ExchangePlan, RankNeeds, plan_exchange
 from ..planning.flatten import Flattened, flatten_state
 from ..planning.load_keys import (
+    KeyMap,
     KeyMatch,
     SavedKeys,
     match_keys,
     not_loaded_warning,
+    rename_for_load,
     unread_message,
 )
 from ..planning.load_plan import ChunkIndex, ReadItem, plan_reads
@@ -47,6 +51,8 @@ class LoadReport:
     ``unread_keys``: saved keys under the loaded top-level keys that no rank's state asked for
     (strict=False only; a strict load refuses them).
     ``bytes_from_peers``: bytes this rank took from buffers other ranks of its host read.
+    ``unverified_files``: files this rank read without checksums to verify (a safetensors
+    model or a DCP folder carries none).
     """
 
     bytes_read: int
@@ -54,6 +60,7 @@ class LoadReport:
     skipped_keys: tuple[str, ...]
     unread_keys: tuple[str, ...] = ()
     bytes_from_peers: int = 0
+    unverified_files: tuple[str, ...] = ()
 
 
 @dataclass
@@ -77,12 +84,18 @@ def load(
     strict: bool,
     allow_pickle: bool,
     config: Config,
+    keys: KeyMap | None = None,
+    read_meta: Callable[[Storage], Metadata] | None = None,
 ) -> LoadReport:
     """Match this rank's state (per rank), find saved keys no rank asks for (across ranks),
-    then read and place. Each step raises the same error on every rank when any rank fails."""
+    then read and place. Each step raises the same error on every rank when any rank fails.
+
+    ``keys`` renames saved keys to the state's (see :func:`rename_for_load`); ``read_meta``
+    reads the metadata (default: a unickpt checkpoint's; a foreign format's translation comes
+    with every chunk, checked, and no indexes)."""
 
     def match() -> tuple[_Plan, None]:
-        _, meta = read_metadata(storage)
+        meta = read_meta(storage) if read_meta is not None else read_metadata(storage)[1]
         if meta.pickled_keys and not allow_pickle:
             raise UnsafeObjectError(
                 f"{storage.location} holds pickled objects ({', '.join(meta.pickled_keys[:5])}); "
@@ -90,9 +103,12 @@ def load(
                 "if you trust where it comes from."
             )
         flat = flatten_state(state, for_load=True)
+        if keys is not None:
+            flat = rename_for_load(flat, meta.keys(), keys)
         found = match_keys(meta, flat, strict)
         _check_per_rank(meta, flat, comm)
-        return _Plan(meta, flat, found, SavedKeys.of(meta), SavedChunks(storage, meta)), None
+        chunks = None if foreign_format(meta) else SavedChunks(storage, meta)
+        return _Plan(meta, flat, found, SavedKeys.of(meta), chunks), None
 
     plan, _ = run_step(comm, "planning the load", match)
     asked = comm.max_across(plan.saved.asked(plan.flat, plan.match))
@@ -106,8 +122,8 @@ def load(
             warning = not_loaded_warning(plan.meta, plan.unread, plan.match, comm.world_size)
             if warning is not None:
                 warnings.warn(warning, stacklevel=5)
-        assert plan.chunks is not None
-        plan.meta = plan.chunks.load(_wanted(plan))
+        if plan.chunks is not None:
+            plan.meta = plan.chunks.load(_wanted(plan))
         plan.reads = _plan_all_reads(plan)
         _check_files(storage, plan.meta, plan.reads)
         needs: RankNeeds | None = None
@@ -152,6 +168,7 @@ def load(
             plan.match.skipped,
             tuple(plan.unread),
             x.bytes_from_peers,
+            tuple(sorted({r.file for r in plan.reads if not r.chunk.checksums})),
         ), None
 
     report, _ = run_step(comm, "loading", place)

@@ -9,8 +9,9 @@ bitmap over the sorted saved keys, and the bitmaps are combined with one ``all_r
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +20,10 @@ from ..errors import CheckpointMismatchError
 from ..format.dtypes import dtype_from_name, dtype_name, itemsize
 from ..format.metadata import Metadata
 from .flatten import Flattened
+
+KeyMap = Mapping[str, str] | Callable[[str], str | None]
+"""How a load renames saved keys to the state's: a dict (saved keys it lacks keep their name)
+or a function from saved key to state key (None: the saved key keeps its name)."""
 
 NUMBERED_HINT = (
     "{prefixes} {holds} an optimizer state dict keyed by parameter number "
@@ -104,6 +109,34 @@ def match_keys(meta: Metadata, flat: Flattened, strict: bool) -> KeyMatch:
     if strict and (missing or differ):
         raise CheckpointMismatchError(_mismatch_message(missing, differ, flat.numbered))
     return KeyMatch(tuple(missing), differ, resolved)
+
+
+def rename_for_load(flat: Flattened, saved: Iterable[str], keys: KeyMap) -> Flattened:
+    """``flat`` with each state key that ``keys`` gives to a saved key renamed to that saved
+    key, so the load matches it there (errors and reports then name the saved key). Raise when
+    two saved keys map to one state key."""
+    to_saved: dict[str, str] = {}
+    for name in sorted(saved):
+        target = keys.get(name) if isinstance(keys, Mapping) else keys(name)
+        if target is None or target == name:
+            continue
+        if target in to_saved:
+            raise CheckpointMismatchError(
+                f"keys= maps both '{to_saved[target]}' and '{name}' of the checkpoint to "
+                f"'{target}' of the state; expected one saved key per state key. Fix the mapping."
+            )
+        to_saved[target] = name
+
+    def new(key: str) -> str:
+        return to_saved.get(key, key)
+
+    return dataclasses.replace(
+        flat,
+        tensors={new(k): dataclasses.replace(t, key=new(k)) for k, t in flat.tensors.items()},
+        values={new(k): dataclasses.replace(v, key=new(k)) for k, v in flat.values.items()},
+        per_rank={new(k): v for k, v in flat.per_rank.items()},
+        aliases={new(k): new(v) for k, v in flat.aliases.items()},
+    )
 
 
 def _stored_tensor(meta: Metadata, names: list[str]) -> str | None:

@@ -253,3 +253,85 @@ def test_row_sharded_tables_load_into_another_split(tmp_path: Path) -> None:
         assert "'emb' is held in pieces that split its rows (columns" in split
         assert "Shard the table by rows, or leave it out of quantize." in split
     assert run_ranks(3, _load_resharded, str(tmp_path)) == [True, True, True]
+
+
+def test_a_row_whose_range_float32_cannot_hold(tmp_path: Path) -> None:
+    """Finite values whose row range overflows float32 (where a row's minimum and scale are
+    kept) are refused by key and row; a range just inside it round trips finite."""
+    table = torch.zeros(4, 3)
+    table[1, 0], table[1, 2] = -3e38, 3e38
+    with pytest.raises(unickpt.CheckpointError) as info:
+        unickpt.save(tmp_path / "q", {"emb": table}, quantize={"emb": 8})
+    message = str(info.value)
+    assert "'emb' row 1 holds values from -3e+38 to 3e+38, a range wider than float32" in message
+    assert "Scale the table down before saving, or leave 'emb' out of quantize." in message
+    assert not (tmp_path / "q" / "COMMIT").exists()
+
+    table[1, 0] = -3e37  # a range of 3.3e38
+    report = unickpt.save(tmp_path / "q", {"emb": table}, quantize={"emb": 8})
+    out = {"emb": torch.empty(4, 3)}
+    unickpt.load(tmp_path / "q", out)
+    assert torch.equal(out["emb"], _decoded(table, 8)) and bool(out["emb"].isfinite().all())
+    error = report.encoding_errors["emb"]
+    scale = (3e38 + 3e37) / 255
+    assert error.max_abs == float((out["emb"].double() - table.double()).abs().max()) <= scale / 2
+
+
+def _forge_encoding(path: Path, shape: list[int], stored: list[int] | None = None) -> None:
+    doc = read_metadata(path)
+    meta = doc["tensors"]["model.emb.weight"]
+    meta["encoding"]["shape"] = shape
+    if stored is not None:
+        meta["shape"] = stored
+    metadata_path(path).write_bytes(json.dumps(doc).encode())
+    repin(path)
+
+
+@pytest.mark.parametrize(
+    ("shape", "stored", "says"),
+    [
+        (
+            [1 << 31, 1 << 31],
+            None,
+            "'model.emb.weight' is stored as uint8 [30, 13] with encoding rowwise-affine of 8 "
+            "bits of [2147483648, 2147483648]",
+        ),
+        (
+            [1 << 24, 1 << 24],
+            [1 << 24, (1 << 24) + 8],
+            f"the tensors' shapes need {(1 << 24) * ((1 << 24) + 8) + 24} bytes, but the data "
+            "files the metadata lists hold",
+        ),
+        (
+            [1 << 31, 1 << 31],
+            [1 << 31, (1 << 31) + 8],
+            "bytes, more than the 72057594037927936 bytes unickpt stores in one tensor",
+        ),
+        ([30, -5], None, "the shape of the encoding of 'model.emb.weight' is [30, -5]"),
+    ],
+    ids=[
+        "decoded shape not the stored one",
+        "both shapes past the data files",
+        "both shapes past a tensor's bytes",
+        "negative",
+    ],
+)
+def test_forged_encoding_shape_allocates_nothing(
+    tmp_path: Path, shape: list[int], stored: list[int] | None, says: str
+) -> None:
+    """A decoded shape comes from the metadata: it must be the shape the stored rows encode,
+    and the stored rows must fit in the data files, before a reader sizes a buffer by it."""
+    model = Recommender(rows=30, dim=5)
+    unickpt.save(tmp_path / "q", {"model": model}, quantize={"model.emb.weight": 8})
+    _forge_encoding(tmp_path / "q", shape, stored)
+    with (
+        pytest.raises(unickpt.CheckpointCorruptError) as info,
+        CheckpointReader(tmp_path / "q") as r,
+    ):
+        r.read_tensor("model.emb.weight")
+    assert says in str(info.value)
+    damaged = "metadata is (damaged|not well formed)"
+    with pytest.raises(unickpt.CheckpointCorruptError, match=damaged):
+        export_torch(tmp_path / "q", tmp_path / "q.pt")
+    with pytest.raises(unickpt.CheckpointCorruptError, match=damaged):
+        unickpt.load(tmp_path / "q", {"model": Recommender(rows=30, dim=5)})

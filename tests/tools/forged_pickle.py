@@ -33,7 +33,7 @@ def _short(text: str) -> bytes:
     return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
 
 
-def _dotted_call(module: str, name: str, arg: str) -> bytes:
+def call_pickle(module: str, name: str, arg: str) -> bytes:
     """A protocol 4 pickle calling ``module.name(arg)``; a dotted ``name`` reaches attributes
     of what the module imports (``os.system`` of DCP's metadata module)."""
     return b"\x80\x04" + _short(module) + _short(name) + b"\x93" + _short(arg) + b"\x85R."
@@ -52,7 +52,7 @@ def forge_metadata(folder: Path, how: str, marker: Path) -> None:
     metadata with the call inside its planner data, or (a dotted name) the call alone."""
     command = f"touch {marker}"
     if how == "dotted name in DCP's module":
-        raw = _dotted_call("torch.distributed.checkpoint.metadata", "os.system", command)
+        raw = call_pickle("torch.distributed.checkpoint.metadata", "os.system", command)
     else:
         with (folder / ".metadata").open("rb") as f:
             meta = pickle.load(f)  # the test's own, trusted file

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +15,9 @@ import unickpt
 from unickpt.cli.main import main
 from unickpt.errors import UnsafeObjectError
 from unickpt.tools import import_dcp
+from unickpt.tools.safe_unpickle import load_restricted
 
-from .forged_pickle import FORGERIES, forge_metadata
+from .forged_pickle import FORGERIES, call_pickle, forge_metadata
 from .helpers import assert_bitwise, assert_same, make_model, zeros_like
 
 
@@ -102,3 +105,23 @@ def test_real_metadata_reads_with_only_dcp_classes(tmp_path: Path) -> None:
         dest = zeros_like(state)
         unickpt.load(target, dest)
         assert_same(dest, state)
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("torch", "load"),
+        ("torch.serialization", "load"),
+        ("torch.distributed.checkpoint.metadata", "dataclass"),  # imported there, not defined
+        ("torch.distributed.checkpoint.metadata", "Enum"),
+        ("torch.distributed.checkpoint.metadata", "__builtins__"),
+        ("torch.distributed.checkpoint.metadata", "torch.load"),
+        ("pathlib", "Path.write_text"),
+        ("builtins", "getattr"),
+        ("__builtin__", "eval"),
+    ],
+)
+def test_only_what_dcp_metadata_holds_is_built(module: str, name: str) -> None:
+    raw = call_pickle(module, name, "x")
+    with pytest.raises(UnsafeObjectError, match=f"build {re.escape(f'{module}.{name}')}, "):
+        load_restricted(io.BytesIO(raw), "m")

@@ -26,8 +26,10 @@ from ..errors import UnsafeObjectError
 CLASS_MODULES = (
     "torch.distributed.checkpoint.metadata",
     "torch.distributed.checkpoint.planner",
+    "torch.distributed._shard.sharded_tensor.metadata",
 )
-"""Modules whose classes (defined there) DCP metadata may hold, any of them."""
+"""Modules whose classes (defined there) DCP metadata may hold, any of them (the last: tensor
+properties of metadata written by torch 2.1 and earlier)."""
 ALLOWED: frozenset[tuple[str, str]] = frozenset(
     {
         ("torch", "Size"),

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
         DistributedCheckpointError,
         UnsafeObjectError,
     )
-    from .layouts.leaves import FlatShard, PerRank, ShardedTensor
+    from .layouts.leaves import FlatShard, Fused, Padded, PerRank, Replicated, ShardedTensor
+    from .layouts.rules import fused_glu, fused_qkv, padded_vocab, replicated
     from .tiers.memory import MemoryTier
 
 # Public names, imported on first use: ``import unickpt`` (and ``unickpt --version``) stays
@@ -55,8 +56,15 @@ _LAZY = {
     "DistributedCheckpointError": ".errors",
     "UnsafeObjectError": ".errors",
     "FlatShard": ".layouts.leaves",
+    "Fused": ".layouts.leaves",
+    "Padded": ".layouts.leaves",
     "PerRank": ".layouts.leaves",
+    "Replicated": ".layouts.leaves",
     "ShardedTensor": ".layouts.leaves",
+    "fused_glu": ".layouts.rules",
+    "fused_qkv": ".layouts.rules",
+    "padded_vocab": ".layouts.rules",
+    "replicated": ".layouts.rules",
     "MemoryTier": ".tiers.memory",
 }
 
@@ -91,14 +99,21 @@ __all__ = [
     "Config",
     "DistributedCheckpointError",
     "FlatShard",
+    "Fused",
     "MemoryTier",
+    "Padded",
     "PerRank",
+    "Replicated",
     "SaveFuture",
     "ShardedTensor",
     "UnsafeObjectError",
     "async_save",
+    "fused_glu",
+    "fused_qkv",
     "get_config",
     "load",
+    "padded_vocab",
+    "replicated",
     "save",
     "wait_pending",
 ]

@@ -31,6 +31,7 @@ from .engine.staging import ARENA, snapshot, stream_marker
 from .engine.write import ItemSource
 from .foreign.detect import read_any, split_source
 from .format.metadata import Metadata
+from .layouts.rules import LayoutMap, applying
 from .planning.capture import Capture, capture
 from .planning.load_keys import KeyMap
 from .storage.base import Storage
@@ -76,6 +77,7 @@ def save(
     lock: bool = True,
     format: str = "unickpt",
     max_shard_size: int | str = "5GB",
+    layout: LayoutMap | None = None,
 ) -> saver.SaveReport:
     """Save ``state`` to ``path``; durable and committed when it returns.
 
@@ -93,6 +95,10 @@ def save(
     (never by default; lossy). Loads decode them; the report's ``encoding_errors`` says what
     quantization changed (``{"model.emb.weight": 8}``).
 
+    ``layout`` maps patterns of flattened keys to functions that wrap the tensor found there
+    (``{"*.linear_fc1.weight": unickpt.fused_glu(tp_rank, tp_size)}``: fused, padded and
+    replicated tensors, see docs/layouts.md); load with the same map.
+
     >>> import torch, unickpt
     >>> model = torch.nn.Linear(4, 2)
     >>> unickpt.save("/tmp/unickpt-doc/ckpt", {"model": model}, overwrite=True)  # doctest: +SKIP
@@ -107,7 +113,8 @@ def save(
         return save_safetensors(path, state, comm, format, max_shard_size, overwrite, cfg)
     storage = storage_for(path)
     quantized = check_quantize(quantize)
-    prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock)
+    with applying(layout):
+        prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock)
     prep.incremental = incremental
     sources = [ItemSource(v) for v in prep.views]
     return saver.write_and_commit(prep, storage, sources, cfg, progress)
@@ -126,6 +133,7 @@ def async_save(
     incremental: IncrementalSave | None = None,
     quantize: Mapping[str, int] | None = None,
     lock: bool = True,
+    layout: LayoutMap | None = None,
 ) -> SaveFuture:
     """Snapshot ``state`` and return; write, fsync and commit go on in the background.
 
@@ -149,7 +157,7 @@ def async_save(
     cannot be seen; make them after ``fut.wait_snapshot()``. Errors of planning (an existing
     checkpoint, an unpicklable value) surface in ``wait()``. ``on_commit`` runs on every rank,
     in the background, once the checkpoint is committed (retention and replication hook in
-    there). ``quantize`` and ``lock`` are as for :func:`save`.
+    there). ``quantize``, ``lock`` and ``layout`` are as for :func:`save`.
 
     >>> fut = unickpt.async_save("ckpt/step-100", state)  # doctest: +SKIP
     >>> ...  # train on
@@ -172,11 +180,13 @@ def async_save(
             incremental,
             quantized,
             lock,
+            layout,
         )
     wait_pending()
     comm = Comm(group, cfg.collective_timeout_s)
     storage = storage_for(path)
-    prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock)
+    with applying(layout):
+        prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock)
     prep.incremental = incremental
     if prep.nbytes > cfg.staging_budget_bytes:
         log.info(
@@ -218,6 +228,7 @@ def _deferred_save(
     incremental: IncrementalSave | None = None,
     quantize: dict[str, int] | None = None,
     lock: bool = True,
+    layout: LayoutMap | None = None,
 ) -> SaveFuture:
     """Zero-stall: capture in the call; plan, copy and write in the background, while every
     optimizer step of the process waits for the copy."""
@@ -235,9 +246,10 @@ def _deferred_save(
         try:
             for previous in earlier:  # one save at a time: they share the staging memory
                 previous.wait_done()
-            prep = saver.prepare(
-                comm, storage, captured.state, allow_pickle, overwrite, quantize, lock
-            )
+            with applying(layout):
+                prep = saver.prepare(
+                    comm, storage, captured.state, allow_pickle, overwrite, quantize, lock
+                )
             prep.incremental = incremental
             if marker is not None:
                 marker.synchronize()
@@ -340,6 +352,7 @@ def load(
     verify: bool | None = None,
     config: Config | None = None,
     keys: KeyMap | None = None,
+    layout: LayoutMap | None = None,
 ) -> LoadReport:
     """Load the checkpoint at ``path`` into ``state`` in place, resharding as needed.
 
@@ -356,7 +369,7 @@ def load(
     each top-level key of ``state``, no extra saved key: loading ``{"model": model}`` from a
     checkpoint that also holds an optimizer is fine, a missing or unknown weight is not.
     ``strict=False`` loads the keys both have and warns about the others. ``verify=False``
-    skips checksum verification.
+    skips checksum verification. ``layout`` is as for :func:`save`.
     """
     wait_pending()
     cfg = config or get_config()
@@ -370,6 +383,7 @@ def load(
         return read_any(where, name, allow_pickle)
 
     try:
-        return _load(comm, storage, state, strict, allow_pickle, cfg, keys, read_meta)
+        with applying(layout):
+            return _load(comm, storage, state, strict, allow_pickle, cfg, keys, read_meta)
     finally:
         storage.close()

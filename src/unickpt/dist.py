@@ -193,6 +193,15 @@ class Comm:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg)
         return t.numpy()
 
+    def sum_across(self, values: np.ndarray) -> np.ndarray:
+        """The element-wise sum of ``values`` (same shape on every rank) over all ranks."""
+        if self._pg is None or values.size == 0:
+            return values
+        t = torch.from_numpy(np.ascontiguousarray(values))
+        with self._peers_lost("all_reduce"):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._pg)
+        return t.numpy()
+
     def barrier(self) -> None:
         if self._pg is not None:
             with self._peers_lost("barrier"):

@@ -55,6 +55,7 @@ from .checksum import digest
 from .commit import commit, data_name, index_name, metadata_name, read_commit
 from .incremental import IncrementalSave, Piece, relaid
 from .references import dependents
+from .replicas import reduce_replicas, replica_specs
 from .write import ItemSource, WriteResult, write_file
 
 log = logging.getLogger(__name__)
@@ -136,13 +137,15 @@ def prepare(
             extra = uuid.uuid4().hex[:12]
         cached_key = next(iter(_PLAN_CACHE), None)
         packed = plan.packed()
-        return (flat, packed, values, per_rank), (packed.signature(), cached_key, extra)
+        shared = (packed.signature(), cached_key, extra, replica_specs(flat))
+        return (flat, packed, values, per_rank), shared
 
     try:
         (flat, plan, values, per_rank), shared = run_step(comm, "planning the save", describe)
-        key = _plan_key(tuple(s for s, _, _ in shared))
+        key = _plan_key(tuple(s for s, *_ in shared))
         save_id = shared[0][2]
-        cached = all(c == key for _, c, _ in shared)
+        cached = all(c == key for _, c, *_ in shared)
+        reduce_replicas(comm, flat, [r for *_, r in shared])  # Replicated tensors, if any
         global_plan = _PLAN_CACHE.get(key) if cached else None
         if global_plan is None:
             global_plan = _agree_on_plan(comm, plan)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..errors import CheckpointError
+from .boxes import Box
+from .dtensor import is_dtensor
 
 
 @dataclass
@@ -117,6 +119,170 @@ class PerRank:
                 "current value where none was saved), 'error' (refuse the load) or a function "
                 "fn(saved_values, world_size, rank) returning this rank's value."
             )
+
+
+class FusedPiece(NamedTuple):
+    """One piece of a :class:`Fused` tensor: ``length`` slices along the fused dimension that
+    hold the box at ``offsets`` of the global tensor ``{key}.{name}`` of ``global_shape``."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    length: int
+
+
+@dataclass
+class Fused:
+    """A local tensor made of pieces of several logical tensors, concatenated along ``dim``.
+
+    Piece ``k`` is ``local.narrow(dim, sum of the earlier lengths, length)``: the box at
+    ``offsets`` of the global tensor ``{key}.{name}`` (``key`` is where the leaf sits in the
+    state), its shape the piece's shape. Several pieces may name one global tensor (Q of two
+    query groups on one rank). The pieces are saved as those global tensors, so a checkpoint
+    saved at one tensor-parallel size loads at any other, or into a model that holds
+    ``{key}.{name}`` unfused. Loads write into ``local`` in place.
+
+    >>> import torch, unickpt
+    >>> local = torch.zeros(4, 8)  # rank 1 of 2: rows 2-3 of gate, then rows 2-3 of up
+    >>> leaf = unickpt.Fused(local, dim=0, pieces=[
+    ...     ("gate", (4, 8), (2, 0), 2), ("up", (4, 8), (2, 0), 2)])
+    """
+
+    local: torch.Tensor
+    dim: int
+    pieces: list[FusedPiece]
+
+    def __post_init__(self) -> None:
+        ndim = self.local.dim()
+        if ndim == 0 or not -ndim <= int(self.dim) < ndim:
+            raise CheckpointError(
+                f"Fused: dim {self.dim} is not a dimension of the local tensor of shape "
+                f"{tensor_shape(self.local)}; pass the dimension the pieces are concatenated along."
+            )
+        self.dim = int(self.dim) % ndim
+        self.pieces = [self._piece(p) for p in self.pieces]
+        total = sum(p.length for p in self.pieces)
+        if total != self.local.shape[self.dim]:
+            raise CheckpointError(
+                f"Fused: the pieces' lengths sum to {total} but the local tensor has "
+                f"{self.local.shape[self.dim]} along dim {self.dim} (shape "
+                f"{tensor_shape(self.local)}); list every piece the local tensor holds, in order."
+            )
+        shapes: dict[str, tuple[int, ...]] = {}
+        for p in self.pieces:
+            if shapes.setdefault(p.name, p.global_shape) != p.global_shape:
+                raise CheckpointError(
+                    f"Fused: pieces of '{p.name}' give global shapes {shapes[p.name]} and "
+                    f"{p.global_shape}; every piece of one tensor must give its same global shape."
+                )
+
+    def _piece(self, raw: Any) -> FusedPiece:
+        try:
+            name, global_shape, offsets, length = raw
+            p = FusedPiece(
+                str(name),
+                tuple(int(s) for s in global_shape),
+                tuple(int(o) for o in offsets),
+                int(length),
+            )
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"Fused: piece {raw!r} is not (name, global_shape, offsets, length) ({e})."
+            ) from None
+        shape = self.piece_shape(p)
+        if not p.name or len(p.global_shape) != len(shape) or len(p.offsets) != len(shape):
+            raise CheckpointError(
+                f"Fused: piece {p.name!r} has global_shape {p.global_shape} and offsets "
+                f"{p.offsets} for a local tensor of {len(shape)} dimensions; give a non-empty "
+                "name and one size and one offset per dimension."
+            )
+        if p.length < 0 or not Box(p.offsets, shape).within(p.global_shape):
+            raise CheckpointError(
+                f"Fused: piece {p.name!r} covers the box at {p.offsets} of shape {shape}, which "
+                f"does not lie inside its global_shape {p.global_shape}; check its offsets and "
+                "length."
+            )
+        return p
+
+    def piece_shape(self, piece: FusedPiece) -> tuple[int, ...]:
+        """The shape of ``piece`` in the local tensor."""
+        shape = list(tensor_shape(self.local))
+        shape[self.dim] = piece.length
+        return tuple(shape)
+
+
+@dataclass
+class Padded:
+    """A tensor whose logical size ``global_shape`` is smaller than the one it is held at.
+
+    ``leaf`` is a plain tensor, a DTensor or a :class:`ShardedTensor`, padded along any
+    dimensions (a vocabulary padded to a multiple of the tensor-parallel size). Only the
+    region inside ``global_shape`` is saved and loaded; padding keeps its values. The
+    checkpoint holds the logical shape, so it loads at any padding.
+
+    >>> import torch, unickpt
+    >>> emb = torch.zeros(1024, 16)  # a vocabulary of 1000 padded to 1024
+    >>> leaf = unickpt.Padded(emb, global_shape=(1000, 16))
+    """
+
+    leaf: Any
+    global_shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(int(s) for s in self.global_shape)
+        if isinstance(self.leaf, ShardedTensor):
+            held = self.leaf.global_shape
+        elif isinstance(self.leaf, torch.Tensor):
+            held = tensor_shape(self.leaf)  # a DTensor's shape is its global shape
+        else:
+            raise CheckpointError(
+                f"Padded: the leaf is a {type(self.leaf).__name__}; expected a tensor, a DTensor "
+                "or a unickpt.ShardedTensor."
+            )
+        if len(held) != len(self.global_shape) or any(
+            n < 0 or n > h for n, h in zip(self.global_shape, held)
+        ):
+            raise CheckpointError(
+                f"Padded: the logical global_shape {self.global_shape} does not fit in the padded "
+                f"shape {held}; pass one size per dimension, each at most the padded size."
+            )
+
+
+@dataclass
+class Replicated:
+    """A tensor every rank holding it should hold alike (tensor-parallel LayerNorm weights).
+
+    At save, ``reduce="check"`` compares the copies across the ranks holding it and fails the
+    save on every rank, naming the key and the largest difference, when they differ;
+    ``reduce="mean"`` saves their mean. A load gives every rank the saved value.
+
+    >>> import torch, unickpt
+    >>> leaf = unickpt.Replicated(torch.ones(16), reduce="mean")
+    """
+
+    tensor: torch.Tensor
+    reduce: str = "check"
+
+    def __post_init__(self) -> None:
+        if self.reduce not in ("check", "mean"):
+            raise CheckpointError(
+                f"Replicated(reduce={self.reduce!r}): expected 'check' (fail the save when the "
+                "copies differ) or 'mean' (save their mean)."
+            )
+        if not isinstance(self.tensor, torch.Tensor) or is_dtensor(self.tensor):
+            raise CheckpointError(
+                f"Replicated: expected the plain tensor this rank holds, got a "
+                f"{type(self.tensor).__name__}."
+            )
+        if self.reduce == "mean" and not self.tensor.is_floating_point():
+            raise CheckpointError(
+                f"Replicated(reduce='mean') of a {self.tensor.dtype} tensor: a mean needs a "
+                "floating dtype; use reduce='check' for integer values."
+            )
+
+
+LAYOUT_LEAVES = (Fused, Padded, Replicated)
+"""The leaves that describe how one tensor is laid out beyond its sharding."""
 
 
 def is_flat_source(value: Any) -> bool:

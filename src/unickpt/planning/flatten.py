@@ -6,6 +6,13 @@ replaced by their state dict (modules and optimizers keyed by parameter names); 
 DTensors, :class:`ShardedTensor` and :class:`FlatShard` become :class:`TensorLeaf` items holding
 the boxes this rank has; :class:`PerRank` and every other value become value leaves.
 
+A :class:`Fused` leaf at ``key`` becomes one tensor item per global tensor its pieces name
+(``{key}.{name}``; ``key`` itself is no saved key); a :class:`Padded` leaf one item of its
+logical shape holding only the logical part of each held box; a :class:`Replicated` leaf a plain
+tensor item whose reduction (``reductions``) the save runs across ranks. ``layout`` (see
+:mod:`unickpt.layouts.rules`; by default the map of the enclosing ``applying`` block) wraps
+the tensors at matching keys into such leaves first.
+
 The same walk serves a load: there each value leaf carries a setter that puts the loaded value
 back into its container, and each stateful object a finalizer that gives it its loaded state.
 """
@@ -21,7 +28,18 @@ import torch
 from ..errors import CheckpointError
 from ..layouts.boxes import Box, flat_range_to_boxes
 from ..layouts.dtensor import dtensor_pieces, is_dtensor, local_tensor
-from ..layouts.leaves import FlatShard, PerRank, ShardedTensor
+from ..layouts.fused import fused_tensors
+from ..layouts.leaves import (
+    LAYOUT_LEAVES,
+    FlatShard,
+    Fused,
+    Padded,
+    PerRank,
+    Replicated,
+    ShardedTensor,
+)
+from ..layouts.padded import clip_pieces
+from ..layouts.rules import LayoutMap, Rules, current_rules, rules_of
 from .stateful import StatefulAdapter, collect_modules, is_numbered_optimizer_state, is_stateful
 
 
@@ -48,7 +66,8 @@ class Flattened:
     """The leaves of a state.
 
     ``aliases`` maps each further key of a tensor met twice (tied weights) to its first key;
-    ``numbered`` lists the prefixes of optimizer state dicts keyed by parameter number.
+    ``numbered`` lists the prefixes of optimizer state dicts keyed by parameter number;
+    ``reductions`` maps the key of each :class:`Replicated` tensor to its ``reduce``.
     """
 
     tensors: dict[str, TensorLeaf] = field(default_factory=dict)
@@ -57,26 +76,34 @@ class Flattened:
     stateful: list[tuple[StatefulAdapter, dict[str, Any]]] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
     numbered: list[str] = field(default_factory=list)
+    reductions: dict[str, str] = field(default_factory=dict)
 
     def keys(self) -> set[str]:
         return set(self.tensors) | set(self.values) | set(self.per_rank) | set(self.aliases)
 
 
-def flatten_state(state: dict[str, Any], for_load: bool = False) -> Flattened:
-    """Walk ``state`` into leaves. Raises :class:`CheckpointError` on clashing keys."""
+def flatten_state(
+    state: dict[str, Any], for_load: bool = False, layout: LayoutMap | None = None
+) -> Flattened:
+    """Walk ``state`` into leaves, wrapping the tensors at keys ``layout`` matches. Raises
+    :class:`CheckpointError` on clashing keys."""
     if not isinstance(state, dict):
         raise CheckpointError(
             f"state is a {type(state).__name__}; expected a dict such as "
             "{'model': model, 'optimizer': optimizer}."
         )
     out = Flattened()
-    _Walker(out, collect_modules(state), for_load).walk_dict(state, "")
+    rules = rules_of(layout) if layout is not None else current_rules()
+    _Walker(out, collect_modules(state), for_load, rules).walk_dict(state, "")
     return out
 
 
 class _Walker:
-    def __init__(self, out: Flattened, modules: list[Any], for_load: bool) -> None:
+    def __init__(
+        self, out: Flattened, modules: list[Any], for_load: bool, rules: Rules | None = None
+    ) -> None:
         self.out = out
+        self.rules = rules
         self.modules = modules
         self.for_load = for_load
         self.seen: set[str] = set()
@@ -96,6 +123,8 @@ class _Walker:
             self.visit(v, f"{prefix}{k}", d, k)
 
     def visit(self, value: Any, key: str, parent: Any, slot: Any) -> None:
+        if self.rules is not None and isinstance(value, _TENSOR_LIKE):
+            value = self.rules.wrap(key, value)
         if isinstance(value, (dict, list)) and not value:
             self.value(key, value, _setter(parent, slot))
         elif isinstance(value, dict) and not is_stateful(value):
@@ -107,8 +136,13 @@ class _Walker:
                 self.visit(v, f"{key}.{i}", value, i)
         elif isinstance(value, PerRank):
             self.out.per_rank[self.claim(key)] = value
-        elif isinstance(value, (torch.Tensor, ShardedTensor, FlatShard)):
+        elif isinstance(value, (torch.Tensor, ShardedTensor, FlatShard, Padded)):
             self.tensor(self.claim(key), value)
+        elif isinstance(value, Fused):
+            self.fused(self.claim(key), value)
+        elif isinstance(value, Replicated):
+            self.tensor(self.claim(key), value.tensor)
+            self.out.reductions[key] = value.reduce
         elif is_stateful(value):
             adapter = StatefulAdapter(value, self.modules)
             template = adapter.state_dict(self.for_load)
@@ -131,13 +165,23 @@ class _Walker:
             self.tensor_keys[identity] = key
         self.out.tensors[key] = tensor_leaf(key, value)
 
+    def fused(self, key: str, value: Fused) -> None:
+        """One tensor leaf per global tensor the pieces name, under ``{key}.{name}``."""
+        _check_storable(key, value.local, self.for_load)
+        for name, (shape, pieces) in fused_tensors(value).items():
+            sub = self.claim(f"{key}.{name}")
+            self.out.tensors[sub] = TensorLeaf(sub, value.local.dtype, shape, "sharded", pieces)
+
     def value(self, key: str, value: Any, setter: Callable[[Any], None] | None) -> None:
         self.out.values[self.claim(key)] = ValueLeaf(key, value, setter)
 
 
+_TENSOR_LIKE = (torch.Tensor, ShardedTensor, FlatShard)
+
+
 def _holds_state(value: Any) -> bool:
     """Whether a container holds tensors or objects (then it is walked, not stored whole)."""
-    if isinstance(value, (torch.Tensor, ShardedTensor, FlatShard, PerRank)):
+    if isinstance(value, (*_TENSOR_LIKE, PerRank, *LAYOUT_LEAVES)):
         return True
     if isinstance(value, dict):
         return any(_holds_state(v) for v in value.values())
@@ -154,6 +198,9 @@ def tensor_identity(value: Any) -> tuple[Any, ...] | None:
     memory of their own (empty, meta).
     """
     how: tuple[Any, ...]
+    if isinstance(value, Padded):
+        inner = tensor_identity(value.leaf)
+        return None if inner is None else ("padded", value.global_shape, *inner)
     if isinstance(value, ShardedTensor):
         how = ("sharded", value.global_shape, value.offsets)
     elif isinstance(value, FlatShard):
@@ -173,6 +220,8 @@ def _local(value: Any) -> torch.Tensor:
     """The tensor this rank holds of a tensor-like leaf."""
     if isinstance(value, (ShardedTensor, FlatShard)):
         return value.local
+    if isinstance(value, Padded):
+        return _local(value.leaf)
     return local_tensor(value) if is_dtensor(value) else value
 
 
@@ -232,7 +281,14 @@ def _setter(parent: Any, slot: Any) -> Callable[[Any], None] | None:
 
 
 def tensor_leaf(key: str, value: Any) -> TensorLeaf:
-    """The leaf of a tensor-like value: plain tensor, DTensor, ShardedTensor or FlatShard."""
+    """The leaf of a tensor-like value: plain tensor, DTensor, ShardedTensor, FlatShard, or
+    one of these padded."""
+    if isinstance(value, Padded):
+        if isinstance(value.leaf, FlatShard):  # pragma: no cover - Padded refuses it
+            raise CheckpointError(f"'{key}': a FlatShard cannot be Padded.")
+        held = tensor_leaf(key, value.leaf)
+        pieces = clip_pieces(held.pieces, value.global_shape)
+        return TensorLeaf(key, held.dtype, value.global_shape, held.layout, pieces)
     if isinstance(value, ShardedTensor):
         local = value.local.detach()
         box = Box(value.offsets, tuple(int(s) for s in local.shape))

@@ -21,6 +21,7 @@ from .config import Config, get_config
 from .dist import Comm
 from .encoding.saving import check_quantize
 from .engine import saver
+from .engine.compress import check_compress
 from .engine.futures import SaveFuture
 from .engine.hold import hold_steps
 from .engine.incremental import IncrementalSave
@@ -75,6 +76,7 @@ def save(
     incremental: IncrementalSave | None = None,
     quantize: Mapping[str, int] | None = None,
     lock: bool = True,
+    compress: bool = False,
     format: str = "unickpt",
     max_shard_size: int | str = "5GB",
     layout: LayoutMap | None = None,
@@ -89,6 +91,9 @@ def save(
     ``progress(bytes_written, bytes_total)``, when given, is called on every rank as pieces of
     its data file land (a progress bar for long saves). ``incremental`` is how a
     :class:`~unickpt.Checkpointer` with ``incremental=True`` skips unchanged chunks.
+
+    ``compress=True`` stores chunks losslessly compressed (bytes grouped per element, then
+    zstd, per checksum segment; needs ``zstandard``); see docs/format.md.
 
     ``quantize`` maps 2-D floating tables (embedding weights) to 8 or 4: they are stored with
     per-row asymmetric uniform codes of that many bits and a float32 scale and minimum per row
@@ -112,10 +117,10 @@ def save(
 
         return save_safetensors(path, state, comm, format, max_shard_size, overwrite, cfg)
     storage = storage_for(path)
-    quantized = check_quantize(quantize)
+    quantized, compress = check_quantize(quantize), check_compress(compress)
     with applying(layout):
         prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock)
-    prep.incremental = incremental
+    prep.incremental, prep.compress = incremental, compress
     sources = [ItemSource(v) for v in prep.views]
     return saver.write_and_commit(prep, storage, sources, cfg, progress)
 
@@ -134,6 +139,7 @@ def async_save(
     quantize: Mapping[str, int] | None = None,
     lock: bool = True,
     layout: LayoutMap | None = None,
+    compress: bool = False,
 ) -> SaveFuture:
     """Snapshot ``state`` and return; write, fsync and commit go on in the background.
 
@@ -164,7 +170,7 @@ def async_save(
     >>> fut.wait()  # doctest: +SKIP
     """
     cfg = config or get_config()
-    quantized = check_quantize(quantize)
+    quantized, compress = check_quantize(quantize), check_compress(compress)
     fut = SaveFuture()
     fut.path = str(path) if not isinstance(path, Storage) else path.location
     if background_snapshot:
@@ -181,13 +187,14 @@ def async_save(
             quantized,
             lock,
             layout,
+            compress,
         )
     wait_pending()
     comm = Comm(group, cfg.collective_timeout_s)
     storage = storage_for(path)
     with applying(layout):
         prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock)
-    prep.incremental = incremental
+    prep.incremental, prep.compress = incremental, compress
     if prep.nbytes > cfg.staging_budget_bytes:
         log.info(
             "state (%d bytes) exceeds the staging budget; saving in the foreground", prep.nbytes
@@ -229,6 +236,7 @@ def _deferred_save(
     quantize: dict[str, int] | None = None,
     lock: bool = True,
     layout: LayoutMap | None = None,
+    compress: bool = False,
 ) -> SaveFuture:
     """Zero-stall: capture in the call; plan, copy and write in the background, while every
     optimizer step of the process waits for the copy."""
@@ -250,7 +258,7 @@ def _deferred_save(
                 prep = saver.prepare(
                     comm, storage, captured.state, allow_pickle, overwrite, quantize, lock
                 )
-            prep.incremental = incremental
+            prep.incremental, prep.compress = incremental, compress
             if marker is not None:
                 marker.synchronize()
             check: Callable[[], None] | None

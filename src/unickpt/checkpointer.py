@@ -22,6 +22,7 @@ from .config import Config, get_config
 from .dist import Comm, decide, dedicated_comm
 from .encoding.saving import check_quantize
 from .engine.commit import read_checkpoint
+from .engine.compress import check_compress
 from .engine.futures import SaveFuture
 from .engine.incremental import Basis
 from .errors import (
@@ -116,6 +117,7 @@ class Checkpointer:
         max_overhead: float = 0.01,
         mtbf_s: float | None = None,
         quantize: Mapping[str, int] | None = None,
+        compress: bool = False,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last is {keep_last}; expected None or at least 1.")
@@ -135,6 +137,7 @@ class Checkpointer:
         self.background_snapshot = background_snapshot
         self.config = config or get_config()
         self.quantize = check_quantize(quantize)
+        self.compress = check_compress(compress)  # lossless, per chunk: unickpt.save's
         self._comm = Comm(group, self.config.collective_timeout_s)
         self._root = Root(self.storage, self._comm)
         self._pending: SaveFuture | None = None
@@ -147,7 +150,13 @@ class Checkpointer:
             from .tiers.policy import SaveSettings, TierPolicy
 
             settings = SaveSettings(
-                group, self.config, async_save, background_snapshot, self.quantize, keep_last
+                group,
+                self.config,
+                async_save,
+                background_snapshot,
+                self.quantize,
+                keep_last,
+                self.compress,
             )
             self._tier = TierPolicy(self._root, memory, settings)
         self._basis = Basis(full_every, row_deltas) if incremental else None
@@ -203,8 +212,8 @@ class Checkpointer:
             self._release = self._root.lock()
         if self._identity is None:
             self._identity = self._root.identity(create=True)
-        # With a memory tier, persists of earlier saves may be under way after the first.
-        self._root.begin_save(step, remove_debris=first or self._tier is None)
+        if first or self._tier is None:  # with a memory tier, persists may be under way later
+            self._root.remove_interrupted()
         if self._tier is not None:
             assert self._identity is not None  # written by the line above
             self._tier.bind(self._identity)
@@ -228,6 +237,7 @@ class Checkpointer:
                 config=self.config,
                 incremental=inc,
                 quantize=self.quantize,
+                compress=self.compress,
                 lock=False,
             )
             self._retain(step)
@@ -242,6 +252,7 @@ class Checkpointer:
             on_commit=lambda: self._retain(step),
             incremental=inc,
             quantize=self.quantize,
+            compress=self.compress,
             lock=False,
         )
         return self._pending

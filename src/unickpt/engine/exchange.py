@@ -76,7 +76,7 @@ def rank_needs(
     alone (large worlds, until needs are gathered per host)."""
     needs, needed = [], []
     for item in items:
-        if is_direct(item):
+        if is_direct(item) or item.chunk.compression is not None:  # compressed: read alone
             continue
         cost = local_read_bytes(item, verify, segment)
         if cost > item.region.numel * item.dest.element_size():

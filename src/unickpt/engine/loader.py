@@ -298,7 +298,7 @@ def _plan_all_reads(plan: _Plan) -> list[ReadItem]:
 def _check_files(storage: Storage, meta: Metadata, reads: list[ReadItem]) -> None:
     ends: dict[str, int] = {}
     for r in reads:
-        ends[r.file] = max(ends.get(r.file, 0), r.chunk.byte_offset + r.chunk.nbytes)
+        ends[r.file] = max(ends.get(r.file, 0), r.chunk.byte_offset + r.chunk.stored_nbytes)
     for name, end in ends.items():
         size = storage.size(name)
         if size is None:

@@ -15,6 +15,10 @@ cores: they run on at most this rank's share of the host's cores. Peak extra mem
 a batch's span (a buffer kept for the load, at most ``BATCH_SPAN_BYTES``) and the span of a
 region that is not a whole chunk (at most a piece); maps of in-memory files take page tables
 only (their pages are the file's).
+
+Compressed chunks (:mod:`.compress`) are read as the stored segments that hold the bytes
+wanted, each verified, then decoded: never batched, never copied out of maps, a region of one
+always read as a span of whole segments.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from ..planning.exchange_plan import flat_span
 from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
 from .checksum import digest
+from .compress import read_packed
 from .file_maps import FileMaps
 from .memcpy import copy_tensor, copy_threads
 from .scratch import Scratch
@@ -103,7 +108,7 @@ def _maps_of(storage: Storage, tasks: list[tuple[ReadItem, int, int]]) -> FileMa
     ranges = [
         (item.file, item.chunk.byte_offset + a, b - a)
         for item, a, b in tasks
-        if a >= 0 and _copied_from_map(a, b)
+        if a >= 0 and _copied_from_map(a, b) and item.chunk.compression is None
     ]
     return FileMaps(storage, ranges) if ranges else None
 
@@ -140,7 +145,8 @@ def _batched(
 
     for item, start, stop in tasks:
         n = item.chunk.nbytes
-        if start < 0 or n > SMALL_CHUNK_BYTES or (start, stop) != (0, n):
+        alone = n > SMALL_CHUNK_BYTES or item.chunk.compression is not None
+        if start < 0 or alone or (start, stop) != (0, n):
             flush()
             out.append(partial(reader.run, item, start, stop))
             continue
@@ -206,6 +212,9 @@ def read_chunk_bytes(
 ) -> None:
     """Read bytes ``[start, start + len(out))`` of a chunk into the uint8 tensor ``out``; with
     ``verify``, ``start`` is segment-aligned and every segment's checksum is checked."""
+    if ref.chunk.compression is not None:
+        read_packed(storage, ref.file, ref.key, ref.chunk, start, out.numpy(), verify, segment)
+        return
     base = ref.chunk.byte_offset + start
     if verify and ref.chunk.checksums and storage.cheap_reads:
         for pos in range(0, out.numel(), segment):  # checked while still in cache
@@ -263,7 +272,7 @@ def region_read(item: ReadItem, verify: bool, segment: int) -> tuple[str, int, i
     bytes ``[lo, hi)``, whole segments when verifying) or ``("runs", first, end)``."""
     size = item.dest.element_size()
     first, end = flat_span(item.chunk, item.region)
-    if verify and item.chunk.checksums:
+    if (verify and item.chunk.checksums) or item.chunk.compression is not None:
         lo = first * size // segment * segment
         hi = min(math.ceil(end * size / segment) * segment, item.chunk.nbytes)
         return "span", lo, hi
@@ -312,7 +321,7 @@ class _Reader:
         return stop - start
 
     def _mapped(self, item: ReadItem, start: int, stop: int) -> torch.Tensor | None:
-        if self.maps is None or not _copied_from_map(start, stop):
+        if self.maps is None or not _copied_from_map(start, stop) or item.chunk.compression:
             return None
         return self.maps.view(item.file, item.chunk.byte_offset + start, stop - start)
 

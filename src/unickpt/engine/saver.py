@@ -15,7 +15,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,9 @@ from ..format.chunk_map import ChunkMap, build_chunk_map
 from ..format.codec import encode_index
 from ..format.dtypes import dtype_name
 from ..format.metadata import (
+    FORMAT_VERSION,
     PER_RANK_ABSENT,
+    PLAIN_FORMAT_VERSION,
     ChunkMeta,
     EncodingError,
     FileRef,
@@ -85,6 +87,8 @@ class PreparedSave:
     """Set by a Checkpointer with ``incremental=True``: skip chunks its last save stored."""
     encoded: dict[str, EncodedTable] = field(default_factory=dict)
     encoding_errors: dict[str, ErrorSums] = field(default_factory=dict)
+    compress: bool = False
+    """Store chunks compressed (:mod:`unickpt.engine.compress`; format version 3)."""
 
     @property
     def nbytes(self) -> int:
@@ -338,12 +342,23 @@ def _write_rank_files(
 
         def write_full_index(result: WriteResult) -> None:
             chunks = [
-                [ChunkMeta(i.box.offsets, i.box.lengths, 0, i.byte_offset, i.nbytes, sums)]
-                for i, sums in zip(prep.items, result.checksums)
+                [ChunkMeta(i.box.offsets, i.box.lengths, 0, at, i.nbytes, sums, packed)]
+                for i, sums, (at, packed) in zip(
+                    prep.items, result.checksums, result.placements(prep.items)
+                )
             ]
             write_index(result, chunks, [])
 
-        write_file(storage, name, prep.items, sources, config, progress, alongside=write_full_index)
+        write_file(
+            storage,
+            name,
+            prep.items,
+            sources,
+            config,
+            progress,
+            alongside=write_full_index,
+            compress=prep.compress,
+        )
     else:
         _write_changed(prep, inc, storage, name, sources, config, progress, write_index)
     return written[0]
@@ -405,8 +420,27 @@ def _write_changed(
         config,
         progress,
         [p.checksums for p in writes],
-        alongside=lambda result: write_index(result, chunks, refs),
+        alongside=lambda result: write_index(result, _placed(chunks, result), refs),
+        compress=prep.compress,
     )
+
+
+def _placed(chunks: list[list[ChunkMeta]], result: WriteResult) -> list[list[ChunkMeta]]:
+    """The chunks, those written (``file`` 0, in order) placed and compressed as the write
+    of ``result`` stored them; unchanged when it stored them as laid out."""
+    if not result.placed:
+        return chunks
+    written = iter(zip(result.placed, result.checksums))
+    out = []
+    for cs in chunks:
+        row = []
+        for c in cs:
+            if c.file == 0:
+                (at, packed), sums = next(written)
+                c = replace(c, byte_offset=at, checksums=sums, compression=packed)
+            row.append(c)
+        out.append(row)
+    return out
 
 
 def _nbytes(p: Piece) -> int:
@@ -438,6 +472,7 @@ def _metadata(
         per_rank=per_rank,
         aliases=dict(prep.plan.aliases),
         segment_bytes=config.segment_bytes,
+        version=FORMAT_VERSION if prep.compress else PLAIN_FORMAT_VERSION,
         created_unix_s=time.time(),
         producer={"unickpt": __version__, "torch": torch.__version__},
         pickled_keys=tuple(sorted(pickled)),

@@ -4,6 +4,9 @@
 Worker threads hash each part's chunk pieces and hand the part to the backend as a list of
 buffers: views of the sources themselves (no copy) and zero padding. The file is completed
 (durable) before :func:`write_file` returns, or aborted (nothing left) when anything fails.
+
+With ``compress``, the writer threads first compress every chunk (:mod:`.compress`, per checksum
+segment); the stored chunks are then laid out back to back and written the same way.
 """
 
 from __future__ import annotations
@@ -11,15 +14,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..config import Config
 from ..format.dtypes import buffer_of, byte_view
-from ..planning.save_plan import WriteItem
+from ..format.metadata import Compression
+from ..planning.save_plan import CHUNK_ALIGN, WriteItem
 from ..storage.base import Storage, WriteHandle
 from .checksum import segment_digests
+from .compress import pack_all
 from .parts import Part, PartRules, plan_parts
 
 _ZEROS = memoryview(bytes(4096))
@@ -27,10 +32,16 @@ _ZEROS = memoryview(bytes(4096))
 
 @dataclass(frozen=True)
 class WriteResult:
-    """The checksums of every item this rank wrote, in item order."""
+    """The checksums of every item this rank wrote, in item order. A compressed write also
+    gives where each item lies and how it is compressed (``placed``, in item order)."""
 
     checksums: tuple[tuple[str, ...], ...]
     nbytes: int
+    placed: tuple[tuple[int, Compression | None], ...] = ()
+
+    def placements(self, items: Sequence[WriteItem]) -> list[tuple[int, Compression | None]]:
+        """Each item's byte offset in the file and its compression (None: stored plainly)."""
+        return list(self.placed) if self.placed else [(i.byte_offset, None) for i in items]
 
 
 class ItemSource:
@@ -63,6 +74,7 @@ def write_file(
     progress: Callable[[int, int], None] | None = None,
     known: Sequence[tuple[str, ...]] | None = None,
     alongside: Callable[[WriteResult], None] | None = None,
+    compress: bool = False,
 ) -> WriteResult:
     """Write ``items`` from ``sources`` into ``name``; durable on return.
 
@@ -71,7 +83,57 @@ def write_file(
     ``alongside(result)``, when given, runs once every part is written, while the file is
     completed (the rank's index is written then, not after: on S3 its PUT overlaps the
     completion of the upload); when either fails the file is aborted and the error raised.
+    With ``compress``, items are compressed first and laid out anew (``known`` is not used:
+    the checksums cover the stored bytes); the result's ``placed`` says where each lies.
     """
+    if compress:
+        return _write_compressed(storage, name, items, sources, config, progress, alongside)
+    return _write_items(storage, name, items, sources, config, progress, known, alongside)
+
+
+def _write_compressed(
+    storage: Storage,
+    name: str,
+    items: Sequence[WriteItem],
+    sources: Sequence[ItemSource],
+    config: Config,
+    progress: Callable[[int, int], None] | None,
+    alongside: Callable[[WriteResult], None] | None,
+) -> WriteResult:
+    """Compress every item on the writer threads, lay the stored chunks out back to back and
+    write them (hashed already: the checksums cover the stored bytes)."""
+    raws = [s.contiguous_bytes().reshape(-1).numpy() for s in sources]
+    widths = [s.view.element_size() for s in sources]
+    packed = pack_all(raws, widths, config.segment_bytes, config.io_threads)
+    laid, offset = [], 0
+    for it, p in zip(items, packed):
+        offset = -(-offset // CHUNK_ALIGN) * CHUNK_ALIGN
+        laid.append(WriteItem(it.key, it.box, offset, len(p.data)))
+        offset += len(p.data)
+    stored = [ItemSource(torch.from_numpy(p.data)) for p in packed]
+    placed = tuple((it.byte_offset, p.compression) for it, p in zip(laid, packed))
+    found = WriteResult(tuple(p.checksums for p in packed), 0, placed)
+
+    def side(result: WriteResult) -> None:
+        if alongside is not None:
+            alongside(replace(found, nbytes=result.nbytes))
+
+    written = _write_items(storage, name, laid, stored, config, progress, None, side, False)
+    return replace(found, nbytes=written.nbytes)
+
+
+def _write_items(
+    storage: Storage,
+    name: str,
+    items: Sequence[WriteItem],
+    sources: Sequence[ItemSource],
+    config: Config,
+    progress: Callable[[int, int], None] | None,
+    known: Sequence[tuple[str, ...]] | None,
+    alongside: Callable[[WriteResult], None] | None,
+    hashing: bool = True,
+) -> WriteResult:
+    """:func:`write_file` of items as they are stored; ``hashing=False``: no checksums."""
     rules = PartRules(
         target_bytes=config.window_bytes,
         segment_bytes=config.segment_bytes,
@@ -88,7 +150,7 @@ def write_file(
     pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-write")
     try:
         futures = [
-            pool.submit(_write_part, handle, part, sources, config.segment_bytes, known)
+            pool.submit(_write_part, handle, part, sources, config.segment_bytes, known, hashing)
             for part in parts
         ]
         done = 0
@@ -98,7 +160,8 @@ def write_file(
             if progress is not None:
                 progress(done, total)
         pool.shutdown()
-        result = WriteResult(_ordered(digests, items, config.segment_bytes), total)
+        sums = _ordered(digests, items, config.segment_bytes) if hashing else ()
+        result = WriteResult(sums, total)
         _complete(handle, result, alongside)
     except BaseException:
         handle.abort()
@@ -145,8 +208,10 @@ def _write_part(
     sources: Sequence[ItemSource],
     segment: int,
     known: Sequence[tuple[str, ...]] | None = None,
+    hashing: bool = True,
 ) -> dict[tuple[int, int], list[str]]:
-    """Hash the part's chunk pieces (unless ``known``) and write it from views of its sources."""
+    """Hash the part's chunk pieces (unless ``known``, or not ``hashing``) and write it from
+    views of its sources."""
     out: dict[tuple[int, int], list[str]] = {}
     buffers: list[memoryview] = []
     for span in part.spans:
@@ -156,7 +221,9 @@ def _write_part(
         source = sources[span.item]
         whole = span.start == 0 and span.nbytes == source.view.numel() * source.view.element_size()
         mv = buffer_of(source.byte_range(span.start, span.nbytes, whole))
-        if known is None:
+        if not hashing:
+            pass
+        elif known is None:
             out[(span.item, span.start)] = segment_digests(mv, segment)
         else:
             first = span.start // segment

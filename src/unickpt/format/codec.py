@@ -33,12 +33,15 @@ from .limits import (
     check_ndim,
 )
 from .metadata import (
+    COMPRESSION_CODEC,
     ENCODING_BITS,
     FORMAT_NAME,
     FORMAT_VERSION,
+    PLAIN_FORMAT_VERSION,
     ROWWISE_AFFINE,
     ChunkMeta,
     CommitRecord,
+    Compression,
     Encoding,
     EncodingError,
     FileRef,
@@ -51,6 +54,8 @@ from .references import FileLocation, FileTable
 INDEX_FORMAT = "unickpt-index"
 log = logging.getLogger(__name__)
 ENCODINGS = (ROWWISE_AFFINE,)
+MAX_COMPRESSION_RATIO = 1 << 16
+"""More than a zstd frame of a segment of zeros achieves (about 26,000 for 1 MiB)."""
 _ERROR = ("max_abs", "rms", "rms_relative")
 
 
@@ -103,8 +108,8 @@ def decode_metadata(raw: bytes, source: str) -> Metadata:
             for f in doc["files"]
         )
         tensors = {str(k): _decode_tensor(str(k), v, source) for k, v in doc["tensors"].items()}
-        references = tuple(str(s) for s in doc.get("references", []))
-        _check_stored_bytes(tensors, refs, references, source)
+        for key, t in tensors.items():
+            _check_stored_bytes(key, t, source)
         segment = int(doc["segment_bytes"])
         if segment <= 0 or segment % 16:
             raise ValueError(f"segment_bytes is {segment}, expected a positive multiple of 16")
@@ -122,7 +127,7 @@ def decode_metadata(raw: bytes, source: str) -> Metadata:
             pickled_keys=tuple(str(k) for k in doc.get("pickled_keys", [])),
             file_refs=refs,
             aliases=_aliases(doc.get("aliases", {}), tensors),
-            references=references,
+            references=tuple(str(s) for s in doc.get("references", [])),
             chunk_map=_chunk_map(doc.get("chunk_map"), refs, tensors, source),
         )
     except (KeyError, TypeError, ValueError, AttributeError, zlib.error, binascii.Error) as e:
@@ -139,25 +144,9 @@ def _world_size(value: Any) -> int:
     return world
 
 
-def _check_stored_bytes(
-    tensors: dict[str, TensorMeta],
-    refs: Sequence[FileRef],
-    references: Sequence[str],
-    source: str,
-) -> None:
-    """Every stored element lies in a chunk of a data file: the tensors of a self-contained
-    checkpoint cannot need more bytes than its data files hold (a forged shape would otherwise
-    size a reader's buffers)."""
-    need = sum(_stored_bytes(k, t, source) for k, t in tensors.items())
-    have = sum(max(0, r.nbytes) for r in refs)
-    if need > have and not references:
-        raise CheckpointCorruptError(
-            f"{source}: the tensors' shapes need {need} bytes, but the data files the metadata "
-            f"lists hold {have}; the metadata is damaged. Load an earlier checkpoint."
-        )
-
-
-def _stored_bytes(key: str, t: TensorMeta, source: str) -> int:
+def _check_stored_bytes(key: str, t: TensorMeta, source: str) -> None:
+    """A stored tensor of at most ``MAX_TENSOR_BYTES``; its chunks, each within the bytes of
+    its data file (:func:`assemble`), must then tile it before a reader sizes a buffer by it."""
     size = math.prod(t.shape) * itemsize(dtype_from_name(t.dtype))
     if size > MAX_TENSOR_BYTES:
         raise CheckpointCorruptError(
@@ -165,7 +154,6 @@ def _stored_bytes(key: str, t: TensorMeta, source: str) -> int:
             f"the {MAX_TENSOR_BYTES} bytes unickpt stores in one tensor; the metadata is "
             "damaged. Load an earlier checkpoint."
         )
-    return size
 
 
 def _chunk_map(
@@ -312,6 +300,8 @@ def encode_index(
 
     A chunk whose ``file`` is ``r + 1`` lies in the earlier checkpoint's file ``refs[r]``
     (format version 2): its entry gets a seventh element ``r`` and the index lists ``refs``.
+    A compressed chunk (format version 3) gets a seventh element ``r`` or null and an eighth,
+    ``{"codec", "width", "stored"}`` (:func:`encode_compression`).
     Each of ``runs`` is the consecutive row pieces of one box (a table saved with row deltas),
     written as one entry of ``runs`` (see docs/format.md) when they allow it.
     """
@@ -319,14 +309,15 @@ def encode_index(
     for k, c in entries:
         chunks.append(_chunk_row(k, c))
     for k, pieces in runs:
-        run = _row_runs(k, pieces)
+        run = None if any(c.compression for c in pieces) else _row_runs(k, pieces)
         if run is None:
             chunks.extend(_chunk_row(k, c) for c in pieces)
         else:
             compact.append(run)
+    compressed = any(len(row) > 7 for row in chunks)
     doc: dict[str, Any] = {
         "format": INDEX_FORMAT,
-        "version": FORMAT_VERSION,
+        "version": FORMAT_VERSION if compressed else PLAIN_FORMAT_VERSION,
         "data": data_file,
         "chunks": chunks,
     }
@@ -339,9 +330,38 @@ def encode_index(
 
 def _chunk_row(k: str, c: ChunkMeta) -> list[Any]:
     row = [k, list(c.offsets), list(c.lengths), c.byte_offset, c.nbytes, list(c.checksums)]
-    if c.file:
-        row.append(c.file - 1)
+    if c.file or c.compression is not None:
+        row.append(c.file - 1 if c.file else None)
+    if c.compression is not None:
+        row.append(encode_compression(c.compression))
     return row
+
+
+def encode_compression(c: Compression) -> dict[str, Any]:
+    return {"codec": c.codec, "width": c.width, "stored": list(c.stored)}
+
+
+def decode_compression(doc: Any, key: str, nbytes: int, segment_count: int) -> Compression:
+    """A chunk's compression, checked: a codec this unickpt reads, one stored size per
+    checksum segment, none larger than a segment's raw bytes (so a forged size cannot make a
+    reader allocate or read more than the raw chunk)."""
+    if not isinstance(doc, dict):
+        raise TypeError(f"the compression of a chunk of '{key}' is a {type(doc).__name__}")
+    codec, width = str(doc["codec"]), int(doc["width"])
+    stored = tuple(int(n) for n in doc["stored"])
+    if codec != COMPRESSION_CODEC:
+        raise ValueError(
+            f"a chunk of '{key}' is compressed with {codec!r}, which this unickpt does not "
+            f"read (it reads {COMPRESSION_CODEC!r})"
+        )
+    if not 1 <= width <= 16 or len(stored) != segment_count:
+        raise ValueError(
+            f"a chunk of '{key}' has compression width {width} and {len(stored)} stored "
+            f"sizes for {segment_count} checksums"
+        )
+    if any(n < 0 for n in stored) or sum(stored) > nbytes:
+        raise ValueError(f"a chunk of '{key}' stores {sum(stored)} bytes for {nbytes} raw bytes")
+    return Compression(codec, width, stored)
 
 
 _DIGEST_CHARS = 16
@@ -427,7 +447,9 @@ def decode_index(
         refs = [FileLocation(str(step), str(data)) for step, data in doc.get("refs", [])]
         out = []
         for row in doc["chunks"]:
-            key, offsets, lengths, byte_offset, nbytes, checksums, *ref = row
+            key, offsets, lengths, byte_offset, nbytes, checksums, *rest = row
+            ref = [r for r in rest[:1] if r is not None]
+            packed = rest[1] if len(rest) > 1 else None
             chunk = ChunkMeta(
                 offsets=tuple(int(o) for o in offsets),
                 lengths=tuple(int(n) for n in lengths),
@@ -435,6 +457,9 @@ def decode_index(
                 byte_offset=int(byte_offset),
                 nbytes=int(nbytes),
                 checksums=tuple(str(c) for c in checksums),
+                compression=None
+                if packed is None
+                else decode_compression(packed, str(key), int(nbytes), len(checksums)),
             )
             if chunk.byte_offset < 0 or chunk.nbytes < 0:
                 raise ValueError(f"chunk of '{key}' at offset {chunk.byte_offset}")
@@ -508,10 +533,10 @@ def _check_in_file(meta: Metadata, key: str, chunk: ChunkMeta) -> None:
     if not meta.file_refs or not 0 <= chunk.file < len(meta.file_refs):
         return  # a chunk of no listed file: the read reports it
     size = meta.file_refs[chunk.file].nbytes
-    if chunk.byte_offset + chunk.nbytes > size:
+    if chunk.byte_offset + chunk.stored_nbytes > size:
         raise CheckpointCorruptError(
             f"an index places the chunk of '{key}' at {list(chunk.offsets)} at bytes "
-            f"{chunk.byte_offset} to {chunk.byte_offset + chunk.nbytes} of "
+            f"{chunk.byte_offset} to {chunk.byte_offset + chunk.stored_nbytes} of "
             f"{meta.file_refs[chunk.file].data}, which the metadata gives {size} bytes; the "
             "checkpoint is damaged (truncated). Load an earlier checkpoint."
         )

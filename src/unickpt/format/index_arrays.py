@@ -14,15 +14,22 @@ index, not work per tensor: the rows of all tensors are decoded at once
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..errors import CheckpointCorruptError
-from .codec import INDEX_FORMAT, check_header, decode_runs, load_json, no_checksums
+from .codec import (
+    INDEX_FORMAT,
+    check_header,
+    decode_compression,
+    decode_runs,
+    load_json,
+    no_checksums,
+)
 from .limits import MAX_NDIM
-from .metadata import ChunkMeta
+from .metadata import ChunkMeta, Compression
 from .references import FileLocation, FileTable
 
 
@@ -39,6 +46,8 @@ class TensorChunks:
     files: np.ndarray
     sums: list[str]
     sum_starts: np.ndarray
+    packed: dict[int, Compression] = field(default_factory=dict)
+    """The compression of each compressed chunk, by its position."""
 
     def __len__(self) -> int:
         return len(self.files)
@@ -53,6 +62,7 @@ class TensorChunks:
             int(self.byte_offsets[i]),
             int(self.nbytes[i]),
             tuple(self.sums[a:b]),
+            self.packed.get(i),
         )
 
     def chunks(self) -> list[ChunkMeta]:
@@ -76,6 +86,8 @@ class IndexChunks:
     files: np.ndarray
     sums: list[str]
     sum_starts: np.ndarray
+    packed: dict[int, Compression] = field(default_factory=dict)
+    """The compression of each compressed chunk, by its row."""
 
     def by_key(self) -> dict[str, np.ndarray]:
         """The rows of each tensor, in the order listed."""
@@ -93,14 +105,23 @@ class IndexChunks:
         starts = self.sum_starts[rows].tolist()
         ends = self.sum_starts[rows + 1].tolist()
         return [
-            ChunkMeta(tuple(c[:ndim]), tuple(c[dims : dims + ndim]), f, b, n, tuple(self.sums[a:e]))
-            for c, f, b, n, a, e in zip(
+            ChunkMeta(
+                tuple(c[:ndim]),
+                tuple(c[dims : dims + ndim]),
+                f,
+                b,
+                n,
+                tuple(self.sums[a:e]),
+                self.packed.get(r),
+            )
+            for c, f, b, n, a, e, r in zip(
                 self.coords[rows].tolist(),
                 self.files[rows].tolist(),
                 self.byte_offsets[rows].tolist(),
                 self.nbytes[rows].tolist(),
                 starts,
                 ends,
+                rows.tolist(),
             )
         ]
 
@@ -124,7 +145,15 @@ class IndexChunks:
             self.files[rows],
             sums,
             np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+            _packed_at(self.packed, rows),
         )
+
+
+def _packed_at(packed: dict[int, Compression], rows: np.ndarray) -> dict[int, Compression]:
+    """The compressions of ``rows``, by their position in ``rows``."""
+    if not packed:
+        return {}
+    return {i: packed[r] for i, r in enumerate(rows.tolist()) if r in packed}
 
 
 def _mixed_dims(key: str) -> CheckpointCorruptError:
@@ -145,6 +174,8 @@ def concat_indexes(parts: Sequence[IndexChunks]) -> IndexChunks:
         key_ids.append(table[p.key_ids] if len(p.key_ids) else p.key_ids)
     dims = max(p.coords.shape[1] // 2 for p in parts)
     shifts = np.cumsum([0] + [len(p.sums) for p in parts[:-1]]).tolist()
+    row_shifts = np.cumsum([0] + [len(p.files) for p in parts[:-1]]).tolist()
+    packed = {r + shift: c for p, shift in zip(parts, row_shifts) for r, c in p.packed.items()}
     return IndexChunks(
         list(keys),
         np.concatenate(key_ids),
@@ -160,6 +191,7 @@ def concat_indexes(parts: Sequence[IndexChunks]) -> IndexChunks:
                 [shifts[-1] + len(parts[-1].sums)],
             ]
         ).astype(np.int64),
+        packed,
     )
 
 
@@ -209,8 +241,8 @@ def _decode(
     source: str,
 ) -> IndexChunks:
     n = len(rows)
-    if any(not 6 <= len(r) <= 7 for r in rows):
-        raise ValueError("a chunk entry has fewer than 6 or more than 7 elements")
+    if any(not 6 <= len(r) <= 8 for r in rows):
+        raise ValueError("a chunk entry has fewer than 6 or more than 8 elements")
     keys: dict[str, int] = {}
     key_ids = np.fromiter((keys.setdefault(str(r[0]), len(keys)) for r in rows), np.int64, n)
     ndims = np.fromiter((len(r[1]) for r in rows), np.int64, n)
@@ -243,9 +275,12 @@ def _decode(
     sums = [str(c) for r in rows for c in r[5]]
     where = np.full(n, own, dtype=np.int64)
     numbers: dict[int, int] = {}
+    packed: dict[int, Compression] = {}
     for i, r in enumerate(rows):
-        if len(r) == 7:
+        if len(r) >= 7 and r[6] is not None:
             where[i] = _file_number(r[6], refs, files, numbers)
+        if len(r) == 8:
+            packed[i] = decode_compression(r[7], str(r[0]), int(r[4]), len(r[5]))
     return IndexChunks(
         list(keys),
         key_ids,
@@ -256,6 +291,7 @@ def _decode(
         where,
         sums,
         np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+        packed,
     )
 
 

@@ -1,6 +1,8 @@
 """The metadata of a checkpoint: what each tensor is, where its chunks lie, their checksums.
 
-Version 2 (version 1 is read too). See docs/format.md for the byte-level description. On disk
+Version 3 (versions 1 and 2 are read too; a checkpoint saved without compression is written
+as version 2, so the previous release reads it). See docs/format.md for the byte-level
+description. On disk
 the global metadata holds tensors, values and files; each writing rank's chunks live in that
 rank's index file, so the coordinator's work per save grows with tensors plus ranks, never with
 their product. Everything here is plain data: frozen dataclasses, encoded as JSON by
@@ -16,9 +18,14 @@ from ..layouts.boxes import Box
 from .chunk_map import ChunkMap
 
 FORMAT_NAME = "unickpt"
-FORMAT_VERSION = 2
-"""Version 2 added ``aliases`` (tied weights), ``{"$absent": true}`` in ``per_rank``,
-``references`` (incremental checkpoints) and tensor ``encoding`` (quantized tables)."""
+FORMAT_VERSION = 3
+"""The newest version this unickpt reads and writes. Version 2 added ``aliases`` (tied
+weights), ``{"$absent": true}`` in ``per_rank``, ``references`` (incremental checkpoints) and
+tensor ``encoding`` (quantized tables); version 3 added compressed chunks
+(:class:`Compression`)."""
+PLAIN_FORMAT_VERSION = 2
+"""The version of a checkpoint without compressed chunks (saved with ``compress=False``)."""
+COMPRESSION_CODEC = "zstd-bytegroup"
 COMMIT_FILE = "COMMIT"
 CHECKSUM_ALGORITHM = "xxh3_64"
 PER_RANK_ABSENT: dict[str, Any] = {"$absent": True}
@@ -30,12 +37,33 @@ def is_absent(encoded: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class Compression:
+    """How a compressed chunk is stored: segment ``i`` (``segment_bytes`` raw bytes, the last
+    possibly shorter) takes ``stored[i]`` bytes, the segments one after the other. A segment
+    whose stored size equals its raw size is stored raw; any other is one zstd frame of its
+    bytes grouped by ``width`` (byte 0 of every element, then byte 1, ...). See docs/format.md.
+    """
+
+    codec: str
+    width: int
+    stored: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.stored)
+
+
+@dataclass(frozen=True)
 class ChunkMeta:
     """One stored box of a tensor: where it lies in the global tensor and in which file.
 
     The box's elements are stored row-major at ``[byte_offset, byte_offset + nbytes)`` of
     ``files[file]``. ``checksums[i]`` covers bytes ``[i * segment_bytes, (i + 1) *
     segment_bytes)`` of the chunk (the last segment may be shorter).
+
+    A compressed chunk (``compression`` set, version 3) keeps ``nbytes`` raw bytes in
+    ``compression.nbytes`` stored bytes at ``byte_offset``; ``checksums[i]`` then covers the
+    stored bytes of segment ``i``.
     """
 
     offsets: tuple[int, ...]
@@ -44,6 +72,12 @@ class ChunkMeta:
     byte_offset: int
     nbytes: int
     checksums: tuple[str, ...] = ()
+    compression: Compression | None = None
+
+    @property
+    def stored_nbytes(self) -> int:
+        """The bytes the chunk takes in its file."""
+        return self.nbytes if self.compression is None else self.compression.nbytes
 
     @property
     def box(self) -> Box:
@@ -133,7 +167,7 @@ class Metadata:
     per_rank: dict[str, tuple[Any, ...]]
     segment_bytes: int
     checksum_algorithm: str = CHECKSUM_ALGORITHM
-    version: int = FORMAT_VERSION
+    version: int = PLAIN_FORMAT_VERSION
     created_unix_s: float = 0.0
     producer: dict[str, str] = field(default_factory=dict)
     pickled_keys: tuple[str, ...] = ()
@@ -189,4 +223,4 @@ class CommitRecord:
     metadata_nbytes: int
     metadata_checksum: str
     save_id: str
-    version: int = FORMAT_VERSION
+    version: int = PLAIN_FORMAT_VERSION

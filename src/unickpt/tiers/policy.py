@@ -78,6 +78,7 @@ class SaveSettings:
     background_snapshot: bool
     quantize: dict[str, int] | None
     keep_last: int | None
+    compress: bool = False
 
 
 class _Persist:
@@ -181,6 +182,7 @@ class TierPolicy:
                 overwrite=True,
                 config=s.config,
                 quantize=s.quantize,
+                compress=s.compress,
                 lock=False,
             )
             committed()
@@ -195,6 +197,7 @@ class TierPolicy:
             config=s.config,
             on_commit=committed,
             quantize=s.quantize,
+            compress=s.compress,
             lock=False,
         )
         return self.pending

@@ -240,7 +240,7 @@ def fetch(
 def _ranges(reads: list[ReadItem]) -> tuple[tuple[int, int], ...]:
     """The byte ranges of a file's chunks when every read of it is a whole chunk into
     contiguous CPU memory (then they can be received straight there), else none."""
-    if not all(is_direct(r) for r in reads):
+    if not all(is_direct(r) and r.chunk.compression is None for r in reads):
         return ()
     spans = sorted({(r.chunk.byte_offset, r.chunk.nbytes) for r in reads})
     disjoint = all(a[0] + a[1] <= b[0] for a, b in itertools.pairwise(spans))

@@ -126,3 +126,28 @@ def test_fused_round_trip_with_a_layout_map_is_strict(tmp_path: Path) -> None:
     assert torch.equal(q, torch.cat([qkv[0:6], qkv[12:18]]))
     assert torch.equal(k, torch.cat([qkv[6:9], qkv[18:21]]))
     assert torch.equal(v, torch.cat([qkv[9:12], qkv[21:24]]))
+
+
+def test_zero_stall_save_of_fused_padded_and_replicated_leaves(tmp_path: Path) -> None:
+    """background_snapshot=True: the leaves (and a layout map) are captured at the call and
+    the pieces checked against the versions recorded for the tensors they are views of."""
+    local = torch.randn(1000, 64)  # large enough to be kept by reference, not copied
+    emb = torch.randn(600, 64)
+    state = {
+        "m": {
+            "fc1": unickpt.Fused(
+                local,
+                dim=0,
+                pieces=[("gate", (500, 64), (0, 0), 500), ("up", (500, 64), (0, 0), 500)],
+            ),
+            "emb": unickpt.Padded(emb, (500, 64)),
+            "ln": unickpt.Replicated(torch.ones(3), "mean"),
+            "qkv": local.clone(),
+        }
+    }
+    layout = {"*.qkv": unickpt.fused_glu(0, 1)}
+    unickpt.async_save(tmp_path / "c", state, background_snapshot=True, layout=layout).wait()
+    back = {k: torch.zeros(500, 64) for k in ("fc1.gate", "fc1.up", "qkv.gate", "qkv.up", "emb")}
+    unickpt.load(tmp_path / "c", {"m": {**back, "ln": torch.zeros(3)}})
+    assert torch.equal(back["fc1.gate"], local[:500]) and torch.equal(back["qkv.up"], local[500:])
+    assert torch.equal(back["emb"], emb[:500])

@@ -138,8 +138,9 @@ def _load_fused(rank: int, w: dict[str, torch.Tensor], path: str, tp: int) -> No
 
 
 def _load_unfused(rank: int, w: dict[str, torch.Tensor], path: str) -> None:
-    """An unfused model: gate_proj/up_proj parameters, Q as ShardedTensor blocks, K as a DTensor
-    sharded over the 4 ranks, V plain; keyed by the fused tensors' names."""
+    """An unfused model: gate_proj/up_proj parameters (the saved names mapped to theirs with
+    keys=), Q as ShardedTensor blocks, K as a DTensor sharded over the 4 ranks, V plain (under
+    the saved names)."""
     mlp = torch.nn.ModuleDict(
         {
             "gate_proj": torch.nn.Linear(H, F, bias=False),
@@ -152,17 +153,19 @@ def _load_unfused(rank: int, w: dict[str, torch.Tensor], path: str) -> None:
     k_rows = w["k"].shape[0] // 4
     k = DTensor.from_local(torch.zeros(k_rows, H), mesh, [Shard(0)], run_check=False)
     v = torch.zeros_like(w["v"])
-    prefix = "layers.0.mlp.linear_fc1.weight"
+    saved = "model.layers.0.mlp.linear_fc1.weight"
+    keys = {f"{saved}.gate": "model.layers.0.mlp.gate_proj.weight"}
+    keys[f"{saved}.up"] = "model.layers.0.mlp.up_proj.weight"
     state = {
         "model": {
-            f"{prefix}.gate": mlp["gate_proj"].weight,
-            f"{prefix}.up": mlp["up_proj"].weight,
+            "layers.0.mlp.gate_proj.weight": mlp["gate_proj"].weight,
+            "layers.0.mlp.up_proj.weight": mlp["up_proj"].weight,
             "layers.0.attn.linear_qkv.weight.q": q,
             "layers.0.attn.linear_qkv.weight.k": k,
             "layers.0.attn.linear_qkv.weight.v": v,
         }
     }
-    unickpt.load(path, state, strict=False)
+    unickpt.load(path, state, strict=False, keys=keys)
     _check("unfused gate", mlp["gate_proj"].weight.detach(), w["gate"])
     _check("unfused up", mlp["up_proj"].weight.detach(), w["up"])
     _check("unfused q", q.local, w["q"][rank * rows : (rank + 1) * rows])

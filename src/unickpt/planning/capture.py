@@ -48,7 +48,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..layouts.dtensor import is_dtensor, local_tensor
-from ..layouts.leaves import FlatShard, PerRank, ShardedTensor
+from ..layouts.leaves import FlatShard, Fused, Padded, PerRank, Replicated, ShardedTensor
 from .stateful import StatefulAdapter, collect_modules, is_stateful
 
 COPY_IN_CALL_BYTES = 64 * 1024
@@ -85,10 +85,11 @@ class Capture:
     copied: frozenset[str]
 
     def check(self, key: str) -> None:
-        """Raise when the tensor saved under ``key`` changed in place since the call."""
+        """Raise when the tensor saved under ``key`` changed in place since the call (for the
+        piece ``{key}.{name}`` of a fused tensor, when the tensor at ``key`` did)."""
+        key = self._recorded(key)
         watch = self.watched.get(key)
         if watch is None:
-            assert key in self.copied, f"no version recorded at the call for '{key}'"
             return
         for tensor, expected in watch:
             found = tensor._version
@@ -101,6 +102,16 @@ class Capture:
                     "them only in optimizer.step() (which waits for the copy) or after "
                     "future.wait_snapshot(), or save with background_snapshot=False."
                 )
+
+    def _recorded(self, key: str) -> str:
+        """The key recorded at the call that ``key`` is, or is a piece of."""
+        found = key
+        while found not in self.watched and found not in self.copied and "." in found:
+            found = found.rsplit(".", 1)[0]
+        assert found in self.watched or found in self.copied, (
+            f"no version recorded at the call for '{key}'"
+        )
+        return found
 
     def check_all(self, keys: Sequence[str]) -> None:
         for key in keys:
@@ -137,9 +148,13 @@ class _Capturer:
     def visit(self, value: Any, key: str) -> Any:
         if isinstance(value, torch.Tensor):
             return self.tensor(value, key)
-        if isinstance(value, (ShardedTensor, FlatShard)):
+        if isinstance(value, (ShardedTensor, FlatShard, Fused)):
             local = self.tensor(value.local, key)
             return value if local is value.local else replace(value, local=local)
+        if isinstance(value, Padded):
+            return replace(value, leaf=self.visit(value.leaf, key))
+        if isinstance(value, Replicated):
+            return replace(value, tensor=self.tensor(value.tensor, key))
         if isinstance(value, PerRank):
             return replace(value, value=self.plain(value.value, key))
         if isinstance(value, dict) and not is_stateful(value):

@@ -151,3 +151,11 @@ def test_zero_stall_save_of_fused_padded_and_replicated_leaves(tmp_path: Path) -
     unickpt.load(tmp_path / "c", {"m": {**back, "ln": torch.zeros(3)}})
     assert torch.equal(back["fc1.gate"], local[:500]) and torch.equal(back["qkv.up"], local[500:])
     assert torch.equal(back["emb"], emb[:500])
+
+
+def test_replicated_tensor_tied_to_an_earlier_key_is_saved_once(tmp_path: Path) -> None:
+    t = torch.arange(4.0)
+    unickpt.save(tmp_path / "c", {"a": t, "b": unickpt.Replicated(t, "mean")})
+    back = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    unickpt.load(tmp_path / "c", back)
+    assert torch.equal(back["a"], t) and torch.equal(back["b"], t)

@@ -142,7 +142,8 @@ class _Walker:
             self.fused(self.claim(key), value)
         elif isinstance(value, Replicated):
             self.tensor(self.claim(key), value.tensor)
-            self.out.reductions[key] = value.reduce
+            if key in self.out.tensors:  # not a further key of a tensor met before (tied)
+                self.out.reductions[key] = value.reduce
         elif is_stateful(value):
             adapter = StatefulAdapter(value, self.modules)
             template = adapter.state_dict(self.for_load)

@@ -252,7 +252,7 @@ FORGERIES = {
     "file list emptied": (
         "metadata",
         _set_value(("files",), []),
-        "the tensors' shapes need 14909 bytes, but the data files the metadata lists hold 0",
+        "chunks, more than the 0 indexes of 0 bytes can list; the metadata is damaged",
     ),
     "tensor dtype unknown": (
         "metadata",

@@ -223,6 +223,9 @@ def test_a_failed_persist_is_counted_and_later_saves_and_the_last_persist_go_on(
     tier = unickpt.MemoryTier(persist_every=1, replicas=1, dir=tmp_path / "shm")
     ckpt = unickpt.Checkpointer(storage, memory=tier, keep_last=2)
     ckpt.save(1, _state(1)).wait()
+    deadline = time.monotonic() + 60  # step 1's persist runs in a thread of its own: let it end
+    while ckpt.memory_stats.persists < 1 and time.monotonic() < deadline:  # type: ignore[union-attr]
+        time.sleep(0.01)
     rule = faults.fail("create", "data-", times=1)  # the persist of step 2 fails
     ckpt.save(2, _state(2)).wait()
     with pytest.warns(UserWarning, match="persisting memory step 2 .* failed"):

@@ -168,6 +168,7 @@ def commit(storage: Storage, meta: Metadata, save_id: str) -> None:
     keep = {COMMIT_FILE, name, LOCK_FILE, *meta.files, *(r.index for r in meta.file_refs)}
     try:
         remove_debris(storage, keep)
+        storage.remove_temporary_files()  # every rank's files are complete: none is live
     except CheckpointError as e:  # committed: what is left, the next save removes
         log.warning("%s; the checkpoint is committed, the next save removes the rest", e)
 

@@ -114,6 +114,9 @@ class ReferencingStorage(Storage):
     def acquire_lock(self) -> Callable[[], None]:
         return self.inner.acquire_lock()
 
+    def remove_temporary_files(self) -> None:
+        self.inner.remove_temporary_files()
+
     def is_file(self) -> bool:
         return self.inner.is_file()
 

@@ -13,8 +13,9 @@ Below both the Checkpointer and the memory tier (they compose it; it knows neith
   half-deleted checkpoint that looks whole.
 
 Collective methods (every rank of ``comm``, in the same order): :meth:`Root.committed`,
-:meth:`Root.lock`, :meth:`Root.identity`, :meth:`Root.begin_save`. :meth:`Root.retain` runs on
-one rank (the coordinator, or the rank whose persist committed), often in a background thread.
+:meth:`Root.lock`, :meth:`Root.identity`, :meth:`Root.remove_interrupted`.
+:meth:`Root.retain` runs on one rank (the coordinator, or the rank whose persist committed),
+often in a background thread.
 """
 
 from __future__ import annotations
@@ -81,15 +82,14 @@ class Root:
 
         return decide(self.comm, f"reading the identity of {self.location}", read)
 
-    def begin_save(self, step: int, remove_debris: bool) -> None:
-        """Before a save of ``step``: remove folders of interrupted saves (``remove_debris``).
-        A cleanup that fails is logged, and the save goes on on every rank alike."""
-        if not remove_debris:
-            return
+    def remove_interrupted(self) -> None:
+        """Before a save: remove the folders of interrupted saves (the one about to be saved
+        into too, when it holds no commit: it is saved into afresh). A cleanup that fails is
+        logged, and the save goes on on every rank alike."""
 
         def clean() -> None:
             try:
-                self.remove_debris(keep=step)
+                self.remove_debris()
             except CheckpointError as e:
                 log.warning(
                     "could not look for folders of interrupted saves in %s (%s); they stay "
@@ -102,11 +102,11 @@ class Root:
 
     # -- one rank ------------------------------------------------------------------------
 
-    def remove_debris(self, keep: int) -> list[int]:
-        """Delete step folders proven to hold no commit marker (except ``keep``'s)."""
+    def remove_debris(self) -> list[int]:
+        """Delete step folders proven to hold no commit marker."""
         removed = []
         for step, name in step_folders(self.storage).items():
-            if step != keep and self.storage.child(name).size(COMMIT_FILE) is None:
+            if self.storage.child(name).size(COMMIT_FILE) is None:
                 log.info("removing %s, left by an interrupted save", self.step(step).location)
                 if self._delete(name, uncommit=False):
                     removed.append(step)

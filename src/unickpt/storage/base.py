@@ -256,6 +256,11 @@ class Storage(ABC):
         """
         return lambda: None
 
+    def remove_temporary_files(self) -> None:  # noqa: B027 - optional hook
+        """Delete the temporary files of writers that did not finish (:func:`temp_name`).
+        Called where no writer of the folder is live: under its lock, or at a commit (every
+        rank's files are complete by then). Backends without temporary files do nothing."""
+
     def is_file(self) -> bool:
         """Whether the location is a plain file rather than a folder (for error messages)."""
         return False

@@ -169,16 +169,23 @@ class FsspecStorage(Storage):
                 raise _fs_error(e, f"creating the folder {self.location}") from e
             self._made = True
 
-    def list_names(self) -> list[str]:
+    def _all_names(self) -> set[str]:
         self.fs.invalidate_cache(self.path)
         try:
             entries = self.fs.ls(self.path, detail=False)
         except (FileNotFoundError, NotADirectoryError):
-            return []
+            return set()
         own = self.path.rstrip("/")
         paths = (str(self.fs._strip_protocol(e)).rstrip("/") for e in entries)
-        names = {p.rsplit("/", 1)[-1] for p in paths if p != own}
-        return sorted(n for n in names if not is_temp_name(n))
+        return {p.rsplit("/", 1)[-1] for p in paths if p != own}
+
+    def list_names(self) -> list[str]:
+        return sorted(n for n in self._all_names() if not is_temp_name(n))
+
+    def remove_temporary_files(self) -> None:
+        for name in sorted(n for n in self._all_names() if is_temp_name(n)):
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self._full(name))
 
     def size(self, name: str) -> int | None:
         try:

@@ -331,7 +331,7 @@ class LocalStorage(Storage):
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
-        self._remove_temp_files()
+        self.remove_temporary_files()
 
         def release() -> None:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -339,10 +339,14 @@ class LocalStorage(Storage):
 
         return release
 
-    def _remove_temp_files(self) -> None:
-        """Delete the temporary files of writers that died mid-file (called under the lock:
-        no live writer of the folder has any)."""
-        for name in os.listdir(self.root):
+    def remove_temporary_files(self) -> None:
+        """Delete the temporary files of writers that died mid-file (called under the lock or
+        at a commit: no live writer of the folder has any)."""
+        try:
+            names = os.listdir(self.root)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for name in names:
             if is_temp_name(name):
                 log.info("removing %s, left by a writer that did not finish", self.root / name)
                 with contextlib.suppress(FileNotFoundError):

@@ -103,10 +103,6 @@ def test_ddp_train_stop_resume_and_export(tmp_path: Path) -> None:
     for r in out:
         assert r["stopped"] == ["checkpoint-2", "checkpoint-4"]
         assert r["final"] == ["checkpoint-4", "checkpoint-6"]  # save_total_limit=2
-        assert r["warnings"] == [
-            f"not resuming from {tmp_path}/run/checkpoint-4: its unickpt checkpoint was never "
-            "committed (no unickpt/COMMIT); trying an older checkpoint"
-        ]
         assert r["step"] == 6
         assert all(r["same"])  # the resumed run ends bit for bit where the reference does
         assert r["exported_same"]

@@ -23,6 +23,7 @@ from unickpt.errors import CheckpointCorruptError, CheckpointError
 from unickpt.format.metadata import FORMAT_VERSION, PLAIN_FORMAT_VERSION, Metadata
 from unickpt.root.names import step_name
 from unickpt.storage import LocalStorage
+from unickpt.tools.verify import verify_checkpoint
 
 SEG = 4096
 
@@ -116,11 +117,15 @@ def test_a_flipped_byte_is_found_before_decoding(tmp_path: Path) -> None:
     unickpt.save(tmp_path / "c", {"model.w": w}, compress=True, config=config)
     chunk = _meta(tmp_path / "c").tensors["model.w"].chunks[0]
     assert chunk.compression is not None and chunk.stored_nbytes < chunk.nbytes
+    assert verify_checkpoint(tmp_path / "c").ok
     (data,) = (tmp_path / "c").glob("data-*.bin")
     raw = bytearray(data.read_bytes())
     at = chunk.byte_offset + chunk.stored_nbytes // 2
     raw[at] ^= 0x10
     data.write_bytes(bytes(raw))
+    (damage,) = verify_checkpoint(tmp_path / "c").damage  # the one segment, stored bytes
+    assert damage.key == "model.w" and damage.start is not None and damage.stop is not None
+    assert damage.start <= at < damage.stop and damage.stop - damage.start < SEG
     with pytest.raises(CheckpointCorruptError, match=r"checksum mismatch .*'model\.w'"):
         unickpt.load(tmp_path / "c", {"model.w": torch.zeros_like(w)}, config=config)
     # without verification the damage reaches the decoder: a damaged frame is named, or it

@@ -14,7 +14,7 @@ def expected_file_sizes(meta: Metadata) -> list[int]:
     ends = [0] * len(meta.files)
     for t in meta.tensors.values():
         for c in t.chunks:
-            ends[c.file] = max(ends[c.file], c.byte_offset + c.nbytes)
+            ends[c.file] = max(ends[c.file], c.byte_offset + c.stored_nbytes)
     for i, ref in enumerate(meta.file_refs):
         ends[i] = ref.nbytes
     return ends

@@ -166,7 +166,7 @@ def _matches(raw: bytes | None, nbytes: int, checksum: str) -> bool:
 
 
 def _at_chunk(meta: Metadata, key: str, c: ChunkMeta, message: str) -> Damage:
-    return Damage(meta.files[c.file], key, c.byte_offset, c.byte_offset + c.nbytes, message)
+    return Damage(meta.files[c.file], key, c.byte_offset, c.byte_offset + c.stored_nbytes, message)
 
 
 def _check_layout(meta: Metadata, meta_file: str) -> tuple[Damage, ...]:
@@ -244,7 +244,7 @@ def _plan_pieces(
     for key, t in sorted(meta.tensors.items()):
         for c in t.chunks:
             name = meta.files[c.file]
-            end = c.byte_offset + c.nbytes
+            end = c.byte_offset + c.stored_nbytes
             if name not in sizes:
                 continue
             if end > sizes[name]:
@@ -284,13 +284,21 @@ def _hash_pieces(
     return done, bad
 
 
+def _stored_span(c: ChunkMeta, first: int, stop: int, segment: int) -> tuple[int, int]:
+    """Where the stored bytes of segments ``[first, stop)`` of chunk ``c`` lie in it (a
+    compressed chunk's segments take the stored sizes its index gives)."""
+    if c.compression is not None:
+        return sum(c.compression.stored[:first]), sum(c.compression.stored[:stop])
+    return first * segment, max(first * segment, min(c.nbytes, stop * segment))
+
+
 def _piece_bytes(p: _Piece, segment: int) -> int:
-    start = p.first * segment
-    return max(0, min(p.chunk.nbytes, start + p.count * segment) - start)
+    lo, hi = _stored_span(p.chunk, p.first, p.first + p.count, segment)
+    return hi - lo
 
 
 def _hash_piece(storage: Storage, p: _Piece, segment: int) -> tuple[int, list[_Bad]]:
-    start = p.first * segment
+    start = _stored_span(p.chunk, p.first, p.first, segment)[0]
     n = _piece_bytes(p, segment)
     buf = bytearray(n)
     view = memoryview(buf)
@@ -299,7 +307,8 @@ def _hash_piece(storage: Storage, p: _Piece, segment: int) -> tuple[int, list[_B
     bad = []
     for i in range(p.count):
         index = p.first + i
-        found = digest(view[i * segment : (i + 1) * segment])
+        lo, hi = _stored_span(p.chunk, index, index + 1, segment)
+        found = digest(view[lo - start : hi - start])
         if found != p.chunk.checksums[index]:
             bad.append((p, index, p.chunk.checksums[index], found))
     return n, bad
@@ -320,8 +329,8 @@ def _merge(bad: list[_Bad], segment: int) -> tuple[Damage, ...]:
 def _damage(run: list[_Bad], segment: int) -> Damage:
     p, first, expected, found = run[0]
     c = p.chunk
-    lo = c.byte_offset + first * segment
-    hi = c.byte_offset + min(c.nbytes, (run[-1][1] + 1) * segment)
+    lo, hi = _stored_span(c, first, run[-1][1] + 1, segment)
+    lo, hi = c.byte_offset + lo, c.byte_offset + hi
     if len(run) == 1:
         what = f"expected {expected}, found {found}"
     else:

@@ -33,12 +33,15 @@ from .limits import (
     check_ndim,
 )
 from .metadata import (
+    COMPRESSION_CODEC,
     ENCODING_BITS,
     FORMAT_NAME,
     FORMAT_VERSION,
+    PLAIN_FORMAT_VERSION,
     ROWWISE_AFFINE,
     ChunkMeta,
     CommitRecord,
+    Compression,
     Encoding,
     EncodingError,
     FileRef,
@@ -295,6 +298,8 @@ def encode_index(
 
     A chunk whose ``file`` is ``r + 1`` lies in the earlier checkpoint's file ``refs[r]``
     (format version 2): its entry gets a seventh element ``r`` and the index lists ``refs``.
+    A compressed chunk (format version 3) gets a seventh element ``r`` or null and an eighth,
+    ``{"codec", "width", "stored"}`` (:func:`encode_compression`).
     Each of ``runs`` is the consecutive row pieces of one box (a table saved with row deltas),
     written as one entry of ``runs`` (see docs/format.md) when they allow it.
     """
@@ -302,14 +307,15 @@ def encode_index(
     for k, c in entries:
         chunks.append(_chunk_row(k, c))
     for k, pieces in runs:
-        run = _row_runs(k, pieces)
+        run = None if any(c.compression for c in pieces) else _row_runs(k, pieces)
         if run is None:
             chunks.extend(_chunk_row(k, c) for c in pieces)
         else:
             compact.append(run)
+    compressed = any(len(row) > 7 for row in chunks)
     doc: dict[str, Any] = {
         "format": INDEX_FORMAT,
-        "version": FORMAT_VERSION,
+        "version": FORMAT_VERSION if compressed else PLAIN_FORMAT_VERSION,
         "data": data_file,
         "chunks": chunks,
     }
@@ -322,9 +328,38 @@ def encode_index(
 
 def _chunk_row(k: str, c: ChunkMeta) -> list[Any]:
     row = [k, list(c.offsets), list(c.lengths), c.byte_offset, c.nbytes, list(c.checksums)]
-    if c.file:
-        row.append(c.file - 1)
+    if c.file or c.compression is not None:
+        row.append(c.file - 1 if c.file else None)
+    if c.compression is not None:
+        row.append(encode_compression(c.compression))
     return row
+
+
+def encode_compression(c: Compression) -> dict[str, Any]:
+    return {"codec": c.codec, "width": c.width, "stored": list(c.stored)}
+
+
+def decode_compression(doc: Any, key: str, nbytes: int, segment_count: int) -> Compression:
+    """A chunk's compression, checked: a codec this unickpt reads, one stored size per
+    checksum segment, none larger than a segment's raw bytes (so a forged size cannot make a
+    reader allocate or read more than the raw chunk)."""
+    if not isinstance(doc, dict):
+        raise TypeError(f"the compression of a chunk of '{key}' is a {type(doc).__name__}")
+    codec, width = str(doc["codec"]), int(doc["width"])
+    stored = tuple(int(n) for n in doc["stored"])
+    if codec != COMPRESSION_CODEC:
+        raise ValueError(
+            f"a chunk of '{key}' is compressed with {codec!r}, which this unickpt does not "
+            f"read (it reads {COMPRESSION_CODEC!r})"
+        )
+    if not 1 <= width <= 16 or len(stored) != segment_count:
+        raise ValueError(
+            f"a chunk of '{key}' has compression width {width} and {len(stored)} stored "
+            f"sizes for {segment_count} checksums"
+        )
+    if any(n < 0 for n in stored) or sum(stored) > nbytes:
+        raise ValueError(f"a chunk of '{key}' stores {sum(stored)} bytes for {nbytes} raw bytes")
+    return Compression(codec, width, stored)
 
 
 _DIGEST_CHARS = 16
@@ -410,7 +445,9 @@ def decode_index(
         refs = [FileLocation(str(step), str(data)) for step, data in doc.get("refs", [])]
         out = []
         for row in doc["chunks"]:
-            key, offsets, lengths, byte_offset, nbytes, checksums, *ref = row
+            key, offsets, lengths, byte_offset, nbytes, checksums, *rest = row
+            ref = [r for r in rest[:1] if r is not None]
+            packed = rest[1] if len(rest) > 1 else None
             chunk = ChunkMeta(
                 offsets=tuple(int(o) for o in offsets),
                 lengths=tuple(int(n) for n in lengths),
@@ -418,6 +455,9 @@ def decode_index(
                 byte_offset=int(byte_offset),
                 nbytes=int(nbytes),
                 checksums=tuple(str(c) for c in checksums),
+                compression=None
+                if packed is None
+                else decode_compression(packed, str(key), int(nbytes), len(checksums)),
             )
             if chunk.byte_offset < 0 or chunk.nbytes < 0:
                 raise ValueError(f"chunk of '{key}' at offset {chunk.byte_offset}")
@@ -491,10 +531,10 @@ def _check_in_file(meta: Metadata, key: str, chunk: ChunkMeta) -> None:
     if not meta.file_refs or not 0 <= chunk.file < len(meta.file_refs):
         return  # a chunk of no listed file: the read reports it
     size = meta.file_refs[chunk.file].nbytes
-    if chunk.byte_offset + chunk.nbytes > size:
+    if chunk.byte_offset + chunk.stored_nbytes > size:
         raise CheckpointCorruptError(
             f"an index places the chunk of '{key}' at {list(chunk.offsets)} at bytes "
-            f"{chunk.byte_offset} to {chunk.byte_offset + chunk.nbytes} of "
+            f"{chunk.byte_offset} to {chunk.byte_offset + chunk.stored_nbytes} of "
             f"{meta.file_refs[chunk.file].data}, which the metadata gives {size} bytes; the "
             "checkpoint is damaged (truncated). Load an earlier checkpoint."
         )

@@ -36,6 +36,7 @@ from tests.integrity._helpers import (
 )
 from tests.integrity._procs import SaverServer, wait_for_line
 from tests.integrity._saver_script import build_state, check_step, set_step
+from unickpt.format.metadata import FORMAT_VERSION
 
 
 def _model_state(fill: float = 1.0) -> dict[str, Any]:
@@ -181,14 +182,14 @@ def test_newer_format_version(saved: Path, where: str) -> None:
     with pytest.raises(unickpt.CheckpointVersionError) as info:
         unickpt.load(saved, _blank())
     message = str(info.value)
-    assert "format version 99" in message and "reads versions up to 2" in message
+    assert "format version 99" in message and f"reads versions up to {FORMAT_VERSION}" in message
     assert "Upgrade unickpt" in message
 
 
 @pytest.mark.parametrize(
     ("field", "value", "says"),
     [
-        ("version", 0, "the format version 0 is not one unickpt writes (1 to 2)"),
+        ("version", 0, f"the format version 0 is not one unickpt writes (1 to {FORMAT_VERSION})"),
         ("save_id", "0123456789ab", "names save '0123456789ab' but metadata file 'metadata-"),
     ],
 )

@@ -53,3 +53,22 @@ def test_forged_metadata_is_refused_without_running_it(
     with pytest.raises(UnsafeObjectError, match=FORGERIES[how]):
         unickpt.load(folder, state)
     assert not marker.exists()
+
+
+def test_megatron_torch_dist_tensors_load_online(tmp_path: Path) -> None:
+    """Megatron-Core's torch_dist backend is DCP underneath: its tensors (and sharded objects)
+    load as they are; its common.pt (iteration, args) is a separate torch.save file."""
+    pytest.importorskip("megatron.core")
+    from ..tools.megatron_job import full_tensors, save_megatron
+
+    path = tmp_path / "iter_0000007"
+    path.mkdir()
+    run_ranks(2, save_megatron, str(path))
+    full = full_tensors()
+    whole = {k: torch.zeros_like(v) for k, v in full.items()}
+    state = {**whole, "rng_state/shard_0_2": None}
+    report = unickpt.load(path, state, strict=False)
+    for key, value in full.items():
+        assert torch.equal(whole[key], value), key
+    assert state["rng_state/shard_0_2"] == [{"seed": 1234}]  # Megatron wraps it in a list
+    assert report.bytes_read == sum(v.numel() * v.element_size() for v in full.values())

@@ -265,3 +265,23 @@ def test_two_rank_compressed_save_resharded_and_loaded_at_one_rank(tmp_path: Pat
     dest = {k: torch.zeros_like(v) for k, v in want.items()}
     unickpt.load(tmp_path / "c", dest)  # one process, whole tensors
     assert all(torch.equal(dest[k], v) for k, v in want.items())
+
+
+def test_tables_compared_row_by_row_are_stored_plainly(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(2)
+    state = {
+        "emb": (torch.randn(4096, 64, generator=g) * 0.02).to(torch.bfloat16),
+        "w": (torch.randn(256, 256, generator=g) * 0.02).to(torch.bfloat16),
+    }
+    options: dict[str, Any] = {"incremental": True, "row_deltas": ["emb"], "compress": True}
+    with unickpt.Checkpointer(tmp_path, async_save=False, **options) as ckpt:
+        ckpt.save(1, state).wait()
+        state["emb"][100:110] += 1
+        ckpt.save(2, state).wait()
+        dest = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ckpt.load_latest(dest) == 2
+    assert all(torch.equal(dest[k], v) for k, v in state.items())
+    meta = _meta(tmp_path / step_name(2))
+    assert not any(c.compression for c in meta.tensors["emb"].chunks)  # later saves refer to rows
+    assert len(meta.tensors["emb"].chunks) > 1 and meta.references
+    assert all(c.compression for c in meta.tensors["w"].chunks)

@@ -14,7 +14,7 @@ import math
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -357,7 +357,7 @@ def _write_rank_files(
             config,
             progress,
             alongside=write_full_index,
-            compress=prep.compress,
+            compress=_compressed(prep, prep.items),
         )
     else:
         _write_changed(prep, inc, storage, name, sources, config, progress, write_index)
@@ -421,8 +421,17 @@ def _write_changed(
         progress,
         [p.checksums for p in writes],
         alongside=lambda result: write_index(result, _placed(chunks, result), refs),
-        compress=prep.compress,
+        compress=_compressed(
+            prep, [it for it, ps in zip(prep.items, pieces) for p in ps if p.stored is None]
+        ),
     )
+
+
+def _compressed(prep: PreparedSave, written: Sequence[WriteItem]) -> list[bool]:
+    """Which of the chunks written are compressed: all with ``compress``, but those of tables
+    an incremental save compares row by row (later saves refer to rows of their bytes)."""
+    inc = prep.incremental
+    return [prep.compress and not (inc and inc.basis.tracks_rows(it)) for it in written]
 
 
 def _placed(chunks: list[list[ChunkMeta]], result: WriteResult) -> list[list[ChunkMeta]]:

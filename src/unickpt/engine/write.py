@@ -74,7 +74,7 @@ def write_file(
     progress: Callable[[int, int], None] | None = None,
     known: Sequence[tuple[str, ...]] | None = None,
     alongside: Callable[[WriteResult], None] | None = None,
-    compress: bool = False,
+    compress: bool | Sequence[bool] = False,
 ) -> WriteResult:
     """Write ``items`` from ``sources`` into ``name``; durable on return.
 
@@ -83,11 +83,13 @@ def write_file(
     ``alongside(result)``, when given, runs once every part is written, while the file is
     completed (the rank's index is written then, not after: on S3 its PUT overlaps the
     completion of the upload); when either fails the file is aborted and the error raised.
-    With ``compress``, items are compressed first and laid out anew (``known`` is not used:
-    the checksums cover the stored bytes); the result's ``placed`` says where each lies.
+    With ``compress`` (True, or one flag per item), items are compressed first and laid out
+    anew (``known`` is not used: the checksums cover the stored bytes); the result's
+    ``placed`` says where each lies.
     """
-    if compress:
-        return _write_compressed(storage, name, items, sources, config, progress, alongside)
+    flags = [compress] * len(items) if isinstance(compress, bool) else list(compress)
+    if any(flags):
+        return _write_compressed(storage, name, items, sources, config, progress, alongside, flags)
     return _write_items(storage, name, items, sources, config, progress, known, alongside)
 
 
@@ -99,11 +101,12 @@ def _write_compressed(
     config: Config,
     progress: Callable[[int, int], None] | None,
     alongside: Callable[[WriteResult], None] | None,
+    flags: Sequence[bool],
 ) -> WriteResult:
-    """Compress every item on the writer threads, lay the stored chunks out back to back and
-    write them (hashed already: the checksums cover the stored bytes)."""
+    """Compress every item whose flag is set on the writer threads, lay the stored chunks out
+    back to back and write them (hashed already: the checksums cover the stored bytes)."""
     raws = [s.contiguous_bytes().reshape(-1).numpy() for s in sources]
-    widths = [s.view.element_size() for s in sources]
+    widths = [s.view.element_size() if f else 0 for s, f in zip(sources, flags)]
     packed = pack_all(raws, widths, config.segment_bytes, config.io_threads)
     laid, offset = [], 0
     for it, p in zip(items, packed):

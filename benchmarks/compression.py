@@ -12,17 +12,25 @@ import. Every codec runs in one thread, so the speeds are per core; every round 
 bit for bit. Prints a Markdown table (docs/benchmarks.md, "Lossless compression")::
 
     python benchmarks/compression.py --steps 200
+
+``--save-load DIR`` instead times ``unickpt.save`` (durable) and ``unickpt.load`` of the
+benchmark's 100M state (``unickpt bench --params 100M``: fp32 GPT weights and AdamW moments after
+one step, built in one process) into ``DIR``, with and without ``compress=True``, runs
+alternating::
+
+    python benchmarks/compression.py --save-load /tmp/unickpt-compress --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from unickpt.demo.model import GPT, GPTConfig
@@ -113,6 +121,7 @@ class Row:
     ratio: float
     compress_gbs: float
     decompress_gbs: float
+    exact: bool
 
 
 def measure(name: str, codec: Codec, data: str, pieces: list[bytes], size: int) -> Row:
@@ -122,11 +131,11 @@ def measure(name: str, codec: Codec, data: str, pieces: list[bytes], size: int) 
     t1 = time.perf_counter()
     back = [dec(q, len(p), size) for q, p in zip(packed, pieces)]
     t2 = time.perf_counter()
-    if any(b != p for b, p in zip(back, pieces)):
-        raise AssertionError(f"{name} does not give back the bytes of {data}")
+    exact = all(b == p for b, p in zip(back, pieces))
     total = sum(map(len, pieces))
     stored = sum(min(len(q), len(p)) for q, p in zip(packed, pieces))  # raw when larger
-    return Row(data, name, stored / total, total / (t1 - t0) / 1e9, total / (t2 - t1) / 1e9)
+    speeds = total / (t1 - t0) / 1e9, total / (t2 - t1) / 1e9
+    return Row(data, name, stored / total, *speeds, exact)
 
 
 def codecs(size_dtype: str) -> dict[str, Codec]:
@@ -143,10 +152,56 @@ def codecs(size_dtype: str) -> dict[str, Codec]:
     return found
 
 
+def bench_state(params: int) -> dict[str, object]:
+    """The benchmark's training state in one process: its GPT (fp32, values N(0, 0.02) as
+    ``unickpt.bench.model`` fills them) and AdamW after one step with its gradients."""
+    from unickpt.bench.model import GPT as BenchGPT
+    from unickpt.bench.model import config_for_params
+
+    model = BenchGPT(config_for_params(params))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen).mul_(0.02))
+            p.grad = p.detach() * 0.5 + 0.01
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return {"model": model, "optimizer": opt}
+
+
+def save_load(folder: str, params: int, repeats: int) -> None:
+    import unickpt
+
+    state = bench_state(params)
+    times: dict[bool, list[tuple[float, float, int]]] = {False: [], True: []}
+    for _ in range(repeats):
+        for compress in (False, True):
+            path = f"{folder}/{'compressed' if compress else 'plain'}"
+            shutil.rmtree(path, ignore_errors=True)
+            t0 = time.perf_counter()
+            report = unickpt.save(path, state, compress=compress)
+            t1 = time.perf_counter()
+            unickpt.load(path, state)
+            t2 = time.perf_counter()
+            times[compress].append((t1 - t0, t2 - t1, report.bytes_written))
+    print("| compress | save, durable (s) | load (s) | written (MB) |")
+    print("| --- | --- | --- | --- |")
+    for compress, runs in times.items():
+        save_s, load_s, written = (statistics.median(r[i] for r in runs) for i in range(3))
+        print(f"| {compress} | {save_s:.2f} | {load_s:.2f} | {written / 1e6:,.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--save-load", metavar="DIR", default=None)
+    parser.add_argument("--params", type=int, default=100_000_000)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    if args.save_load is not None:
+        save_load(args.save_load, args.params, args.repeats)
+        return
     torch.set_num_threads(1)
     rows = []
     for data, tensors in trained_state(args.steps).items():
@@ -154,14 +209,13 @@ def main() -> None:
         dtype = "bfloat16" if size == 2 else "float32"
         for name, codec in codecs(dtype).items():
             rows.append(measure(name, codec, data, pieces, size))
-    print("| data | codec | stored / raw | compress GB/s per core | decompress GB/s per core |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| data | codec | stored / raw | compress GB/s | decompress GB/s | bit-exact |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
             f"| {r.data} | {r.codec} | {r.ratio:.3f} | {r.compress_gbs:.2f} | "
-            f"{r.decompress_gbs:.2f} |"
+            f"{r.decompress_gbs:.2f} | {'yes' if r.exact else 'no'} |"
         )
-    print(f"\nsizes: {len(np.zeros(1))} unit of {UNIT} bytes; steps {args.steps}")
 
 
 if __name__ == "__main__":

@@ -185,8 +185,13 @@ def test_incremental_saves_with_compression(tmp_path: Path) -> None:
         dest = {k: torch.zeros_like(v) for k, v in state.items()}
         assert ckpt.load_latest(dest) == 3
     assert all(torch.equal(dest[k], v) for k, v in state.items())
-    # the chunk stored raw (incompressible) is referred to, not written again
-    assert _meta(tmp_path / step_name(3)).references
+    # unchanged chunks are referred to, not written again, compressed ones included
+    meta = _meta(tmp_path / step_name(3))
+    (frozen,) = meta.tensors["frozen"].chunks
+    assert meta.files[frozen.file].startswith(f"../{step_name(1)}/")
+    assert frozen.compression is not None
+    assert meta.files[meta.tensors["noise"].chunks[0].file].startswith("../")
+    assert not meta.files[meta.tensors["adapter"].chunks[0].file].startswith("../")
 
 
 def _tier_state(step: int) -> dict[str, Any]:

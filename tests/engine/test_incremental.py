@@ -253,8 +253,8 @@ def test_version_1_checkpoints_still_load(tmp_path: Path) -> None:
     unickpt.load(tmp_path / "v1", {"model": fresh})
     assert _same(model, fresh)
     assert verify_checkpoint(tmp_path / "v1").ok
-    _repin(tmp_path / "v1", 3)
-    with pytest.raises(unickpt.CheckpointVersionError, match="versions up to 2"):
+    _repin(tmp_path / "v1", 4)
+    with pytest.raises(unickpt.CheckpointVersionError, match="versions up to 3"):
         unickpt.load(tmp_path / "v1", {"model": fresh})
 
 

@@ -121,6 +121,8 @@ class Packed:
     data: np.ndarray
     checksums: tuple[str, ...]
     compression: Compression | None
+    raw_checksums: tuple[str, ...] = ()
+    """The checksums of the raw bytes of a compressed chunk (per segment)."""
 
 
 def pack(raw: np.ndarray, width: int, segment: int, level: int = LEVEL) -> Packed:
@@ -143,7 +145,8 @@ def pack(raw: np.ndarray, width: int, segment: int, level: int = LEVEL) -> Packe
         return Packed(raw, sums, None)
     data = np.concatenate(pieces)
     sums = tuple(digest(memoryview(p)) for p in pieces)  # type: ignore[arg-type]
-    return Packed(data, sums, Compression(CODEC, width, tuple(sizes)))
+    raw_sums = tuple(digest(memoryview(raw[a : a + segment])) for a in range(0, len(raw), segment))  # type: ignore[arg-type]
+    return Packed(data, sums, Compression(CODEC, width, tuple(sizes)), raw_sums)
 
 
 def pack_all(

@@ -33,7 +33,7 @@ from fnmatch import fnmatchcase
 import torch
 
 from ..format.dtypes import buffer_of
-from ..format.metadata import ChunkMeta, Metadata
+from ..format.metadata import ChunkMeta, Compression, Metadata
 from ..format.references import FileLocation, parse_reference
 from ..layouts.boxes import Box
 from ..planning.save_plan import CHUNK_ALIGN, WriteItem
@@ -53,12 +53,22 @@ _HASH_PIECE_SEGMENTS = 64
 
 @dataclass(frozen=True)
 class StoredChunk:
-    """The bytes of a chunk saved earlier: ``nbytes`` at ``byte_offset`` of ``location``."""
+    """The bytes of a chunk saved earlier: ``nbytes`` at ``byte_offset`` of ``location``.
+
+    A compressed chunk keeps its ``compression`` and the checksums of its raw bytes
+    (``raw_checksums``, what a save compares; ``checksums`` cover the stored bytes)."""
 
     location: FileLocation
     byte_offset: int
     nbytes: int
     checksums: tuple[str, ...]
+    compression: Compression | None = None
+    raw_checksums: tuple[str, ...] = ()
+
+    @property
+    def content(self) -> tuple[str, ...]:
+        """The checksums of the chunk's raw bytes, as a save hashes them."""
+        return self.raw_checksums or self.checksums
 
 
 _Chunks = dict[tuple[str, Box], StoredChunk]
@@ -100,7 +110,9 @@ class Basis:
             for c in t.chunks:
                 name = meta.files[c.file]
                 where = parse_reference(name) or FileLocation(step, name)
-                chunks[(key, c.box)] = StoredChunk(where, c.byte_offset, c.nbytes, c.checksums)
+                chunks[(key, c.box)] = StoredChunk(
+                    where, c.byte_offset, c.nbytes, c.checksums, c.compression
+                )
         self.chunks, self.rows = chunks, {}
         self.segment_bytes = meta.segment_bytes
         self.since_full = len(meta.references)  # at least the saves since its last full one
@@ -168,7 +180,7 @@ class IncrementalSave:
         for i, digests in zip(plain, sums):
             it = items[i]
             stored = self.known.get((it.key, it.box))
-            same = stored is not None and stored.nbytes == it.nbytes and stored.checksums == digests
+            same = stored is not None and stored.nbytes == it.nbytes and stored.content == digests
             out[i] = [Piece(it.box, stored if same else None, sources[i], digests)]
         for i in rowwise:
             out[i] = self._row_pieces(items[i], sources[i])
@@ -234,19 +246,22 @@ class IncrementalSave:
         items: Sequence[WriteItem],
         chunks: Sequence[Sequence[ChunkMeta]],
         refs: Sequence[FileLocation],
+        raw: Sequence[tuple[str, ...]] = (),
     ) -> None:
-        """Remember where this save's chunks lie (adopted by :meth:`adopt` once committed)."""
+        """Remember where this save's chunks lie (adopted by :meth:`adopt` once committed);
+        ``raw[i]``, the checksums of item ``i``'s raw bytes where it was compressed."""
         own = FileLocation(self.step, data_file)
 
-        def stored(c: ChunkMeta) -> StoredChunk:
+        def stored(c: ChunkMeta, sums: tuple[str, ...] = ()) -> StoredChunk:
             where = refs[c.file - 1] if c.file else own
-            return StoredChunk(where, c.byte_offset, c.nbytes, c.checksums)
+            content = sums if c.compression is not None else ()
+            return StoredChunk(where, c.byte_offset, c.nbytes, c.checksums, c.compression, content)
 
-        for it, cs in zip(items, chunks):
+        for i, (it, cs) in enumerate(zip(items, chunks)):
             key = (it.key, it.box)
             digests = self.written_rows.get(key)
             if digests is None:
-                self.written[key] = stored(cs[0])
+                self.written[key] = stored(cs[0], raw[i] if i < len(raw) else ())
                 continue
             first = it.box.offsets[0]
             pieces = tuple(

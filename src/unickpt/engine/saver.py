@@ -325,10 +325,13 @@ def _write_rank_files(
     written: list[FileRef] = []
 
     def write_index(
-        result: WriteResult, chunks: list[list[ChunkMeta]], refs: list[FileLocation]
+        result: WriteResult,
+        chunks: list[list[ChunkMeta]],
+        refs: list[FileLocation],
+        content: Sequence[tuple[str, ...]] = (),
     ) -> None:
         if inc is not None:
-            inc.record(name, prep.items, chunks, refs)
+            inc.record(name, prep.items, chunks, refs, content)
         entries = [(it.key, cs[0]) for it, cs in zip(prep.items, chunks) if len(cs) == 1]
         runs = [(it.key, cs) for it, cs in zip(prep.items, chunks) if len(cs) > 1]  # row deltas
         raw = encode_index(name, entries, refs, runs)
@@ -347,7 +350,7 @@ def _write_rank_files(
                     prep.items, result.checksums, result.placements(prep.items)
                 )
             ]
-            write_index(result, chunks, [])
+            write_index(result, chunks, [], result.raw_checksums)
 
         write_file(
             storage,
@@ -372,7 +375,7 @@ def _write_changed(
     sources: list[ItemSource],
     config: Config,
     progress: Callable[[int, int], None] | None,
-    write_index: Callable[[WriteResult, list[list[ChunkMeta]], list[FileLocation]], None],
+    write_index: Callable[..., None],
 ) -> None:
     """Hash every item, write the changed pieces back to back, refer to the others; the index
     is written with ``write_index`` while the data file is completed."""
@@ -383,6 +386,7 @@ def _write_changed(
     refs = sorted({p.stored.location for ps in pieces for p in ps if p.stored is not None})
     number = {loc: n + 1 for n, loc in enumerate(refs)}
     at = iter(laid)
+    content = [ps[0].checksums if len(ps) == 1 else () for ps in pieces]  # raw, by the plan
     chunks: list[list[ChunkMeta]] = []
     for ps in pieces:
         out = []
@@ -404,6 +408,7 @@ def _write_changed(
                         s.byte_offset,
                         s.nbytes,
                         s.checksums,
+                        s.compression,
                     )
                 )
         chunks.append(out)
@@ -420,7 +425,7 @@ def _write_changed(
         config,
         progress,
         [p.checksums for p in writes],
-        alongside=lambda result: write_index(result, _placed(chunks, result), refs),
+        alongside=lambda result: write_index(result, _placed(chunks, result), refs, content),
         compress=_compressed(
             prep, [it for it, ps in zip(prep.items, pieces) for p in ps if p.stored is None]
         ),

@@ -38,6 +38,8 @@ class WriteResult:
     checksums: tuple[tuple[str, ...], ...]
     nbytes: int
     placed: tuple[tuple[int, Compression | None], ...] = ()
+    raw_checksums: tuple[tuple[str, ...], ...] = ()
+    """With ``placed``: the checksums of each item's raw bytes where it was compressed."""
 
     def placements(self, items: Sequence[WriteItem]) -> list[tuple[int, Compression | None]]:
         """Each item's byte offset in the file and its compression (None: stored plainly)."""
@@ -115,7 +117,8 @@ def _write_compressed(
         offset += len(p.data)
     stored = [ItemSource(torch.from_numpy(p.data)) for p in packed]
     placed = tuple((it.byte_offset, p.compression) for it, p in zip(laid, packed))
-    found = WriteResult(tuple(p.checksums for p in packed), 0, placed)
+    raw = tuple(p.raw_checksums for p in packed)
+    found = WriteResult(tuple(p.checksums for p in packed), 0, placed, raw)
 
     def side(result: WriteResult) -> None:
         if alongside is not None:

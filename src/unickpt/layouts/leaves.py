@@ -140,7 +140,9 @@ class Fused:
     state), its shape the piece's shape. Several pieces may name one global tensor (Q of two
     query groups on one rank). The pieces are saved as those global tensors, so a checkpoint
     saved at one tensor-parallel size loads at any other, or into a model that holds
-    ``{key}.{name}`` unfused. Loads write into ``local`` in place.
+    ``{key}.{name}`` unfused. A piece named ``""`` is a box of the global tensor ``{key}``
+    itself (several boxes of one tensor held in one local tensor, as Megatron's SwiGLU
+    factories make). Loads write into ``local`` in place.
 
     >>> import torch, unickpt
     >>> local = torch.zeros(4, 8)  # rank 1 of 2: rows 2-3 of gate, then rows 2-3 of up
@@ -190,11 +192,11 @@ class Fused:
                 f"Fused: piece {raw!r} is not (name, global_shape, offsets, length) ({e})."
             ) from None
         shape = self.piece_shape(p)
-        if not p.name or len(p.global_shape) != len(shape) or len(p.offsets) != len(shape):
+        if len(p.global_shape) != len(shape) or len(p.offsets) != len(shape):
             raise CheckpointError(
                 f"Fused: piece {p.name!r} has global_shape {p.global_shape} and offsets "
-                f"{p.offsets} for a local tensor of {len(shape)} dimensions; give a non-empty "
-                "name and one size and one offset per dimension."
+                f"{p.offsets} for a local tensor of {len(shape)} dimensions; give one size and "
+                "one offset per dimension."
             )
         if p.length < 0 or not Box(p.offsets, shape).within(p.global_shape):
             raise CheckpointError(

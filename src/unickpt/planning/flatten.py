@@ -170,7 +170,7 @@ class _Walker:
         """One tensor leaf per global tensor the pieces name, under ``{key}.{name}``."""
         _check_storable(key, value.local, self.for_load)
         for name, (shape, pieces) in fused_tensors(value).items():
-            sub = self.claim(f"{key}.{name}")
+            sub = self.claim(f"{key}.{name}") if name else key  # "": the key itself
             self.out.tensors[sub] = TensorLeaf(sub, value.local.dtype, shape, "sharded", pieces)
 
     def value(self, key: str, value: Any, setter: Callable[[Any], None] | None) -> None:

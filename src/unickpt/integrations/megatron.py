@@ -1,0 +1,277 @@
+"""Megatron-Core: its sharded state dicts saved and loaded by unickpt, resharding on TP/PP/EP.
+
+The one-call switch from ``dist_checkpointing.save/load``::
+
+    from unickpt.integrations import megatron as um
+
+    um.save(model.sharded_state_dict(), path)              # every rank
+    state = um.load(model.sharded_state_dict(), path)      # every rank; tensors filled in place
+    model.load_state_dict(state)                           # optional: the tensors are the params
+
+What maps to what:
+
+- a ``ShardedTensor`` is a :class:`unickpt.ShardedTensor` block of the global tensor named by its
+  key. Axes prepended by Megatron (``prepend_axis_num``: the layer of a stacked layer, the
+  expert) are folded into the key, ``{key}.{layer}``, so each layer is a tensor of its own and a
+  pipeline stage holding other layers loads it. ``replica_id`` is not needed: blocks held alike
+  by several ranks are written once and loaded by all;
+- a ``ShardedTensorFactory`` (SwiGLU's ``linear_fc1``) is built into its ShardedTensors; blocks
+  of one key held in one local tensor (the gate and up rows) become one :class:`unickpt.Fused`
+  leaf whose pieces are boxes of that key, loaded in place; the factory's ``merge_fn`` then gives
+  its data;
+- a ``ShardedObject`` is a value under ``{key}`` plus ``.shard_{offsets}`` when its global shape
+  holds several shards; tensors inside it are saved as replicated tensors of that key;
+- any other entry (a plain value or tensor of the common state) is saved under
+  ``common.{path}`` and returned as loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import api
+from ..errors import CheckpointError
+from ..layouts.leaves import Fused, FusedPiece, ShardedTensor
+
+log = logging.getLogger(__name__)
+
+COMMON = "common"
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One Megatron ShardedTensor without its prepended axes: a box of the tensor ``key``."""
+
+    key: str
+    data: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclass
+class _Mapped:
+    """A sharded state dict as a unickpt state, and how to put a load back into it."""
+
+    state: dict[str, Any] = field(default_factory=dict)
+    blocks: dict[str, list[_Block]] = field(default_factory=dict)
+    copies: list[Callable[[], None]] = field(default_factory=list)  # buffers back to blocks
+    merges: list[Callable[[], None]] = field(default_factory=list)  # then factories' merge_fn
+
+
+def save(sharded_state_dict: dict[str, Any], path: str | os.PathLike[str], **kwargs: Any) -> None:
+    """Save a Megatron-Core sharded state dict; every rank calls it with its own.
+
+    ``kwargs`` go to :func:`unickpt.save` (``overwrite=True``, ``group=``, ``compress=``...).
+
+    >>> from unickpt.integrations import megatron as um
+    >>> um.save(model.sharded_state_dict(), "/ckpt/step-100")  # doctest: +SKIP
+    """
+    mapped = _map(sharded_state_dict)
+    api.save(path, mapped.state, **kwargs)
+
+
+def load(sharded_state_dict: dict[str, Any], path: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """Load into a Megatron-Core sharded state dict at any TP/PP/EP layout; every rank calls it.
+
+    The tensors of ``sharded_state_dict`` are filled in place. Returns it as Megatron's
+    ``dist_checkpointing.load`` does: each ShardedTensor replaced by its tensor, each factory by
+    its merged tensor, each ShardedObject by its loaded value. ``kwargs`` go to
+    :func:`unickpt.load` (``strict=``, ``group=``...).
+
+    >>> from unickpt.integrations import megatron as um
+    >>> state = um.load(model.sharded_state_dict(), "/ckpt/step-100")  # doctest: +SKIP
+    >>> model.load_state_dict(state)  # doctest: +SKIP
+    """
+    mapped = _map(sharded_state_dict)
+    api.load(path, mapped.state, **kwargs)
+    for finish in [*mapped.copies, *mapped.merges]:
+        finish()
+    return _loaded(sharded_state_dict, mapped.state, "")
+
+
+def _mapping() -> Any:
+    try:
+        from megatron.core.dist_checkpointing import mapping
+    except ImportError as e:  # pragma: no cover - the integration needs megatron-core
+        raise CheckpointError(
+            f"unickpt.integrations.megatron needs megatron-core ({e}); pip install megatron-core."
+        ) from None
+    return mapping
+
+
+def _map(sharded_state_dict: dict[str, Any]) -> _Mapped:
+    mapped = _Mapped()
+    for path, value in _walk(sharded_state_dict, ""):
+        _map_entry(mapped, path, value)
+    for key, blocks in mapped.blocks.items():
+        mapped.state[key] = _leaf(key, blocks, mapped.copies)
+    return mapped
+
+
+def _walk(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """The leaves of nested dicts and lists, with their dotted paths."""
+    items = node.items() if isinstance(node, dict) else enumerate(node)
+    for k, v in items:
+        path = f"{prefix}{k}"
+        if isinstance(v, (dict, list)) and v:
+            yield from _walk(v, path + ".")
+        else:
+            yield path, v
+
+
+def _map_entry(mapped: _Mapped, path: str, value: Any) -> None:
+    m = _mapping()
+    if isinstance(value, m.ShardedTensorFactory):
+        _map_factory(mapped, value)
+    elif isinstance(value, m.ShardedTensor):
+        block = _block(value)
+        mapped.blocks.setdefault(block.key, []).append(block)
+    elif isinstance(value, m.ShardedObject):
+        mapped.state[_object_key(value)] = value.data
+    else:
+        mapped.state[f"{COMMON}.{path}"] = value
+
+
+def _map_factory(mapped: _Mapped, factory: Any) -> None:
+    """Build the factory into its ShardedTensors; after a load, merge them into its data."""
+    m = _mapping()
+    built = factory.build()
+    subs = [v for _, v in _walk(built, "")] if isinstance(built, (dict, list)) else [built]
+    for sub in subs:
+        if not isinstance(sub, m.ShardedTensor):
+            raise CheckpointError(
+                f"The ShardedTensorFactory '{factory.key}' built a {type(sub).__name__}; "
+                "expected ShardedTensors only. Apply its factories before saving."
+            )
+        block = _block(sub)
+        mapped.blocks.setdefault(block.key, []).append(block)
+
+    def merge() -> None:
+        merged = factory.merge_fn(_replace_sharded(built))
+        if merged.data_ptr() != factory.data.data_ptr():
+            with torch.no_grad():
+                factory.data.copy_(merged)
+
+    mapped.merges.append(merge)
+
+
+def _replace_sharded(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _replace_sharded(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_replace_sharded(v) for v in node]
+    return node.data if isinstance(node, _mapping().ShardedTensor) else node
+
+
+def _block(sh: Any) -> _Block:
+    """A ShardedTensor as a box of a tensor whose key holds its prepended offsets."""
+    if sh.flattened_range is not None:
+        raise CheckpointError(
+            f"ShardedTensor '{sh.key}' has a flattened_range; megatron-core 0.16 refuses these "
+            "too. Save the distributed optimizer in a layout without flattened ranges."
+        )
+    p = int(sh.prepend_axis_num)
+    lead = tuple(int(o) for o in sh.global_offset[:p])
+    key = ".".join([sh.key, *map(str, lead)])
+    data = sh.data
+    if tuple(data.shape) != tuple(sh.local_shape):
+        raise CheckpointError(
+            f"ShardedTensor '{sh.key}': its data has shape {tuple(data.shape)} but its "
+            f"local_shape is {tuple(sh.local_shape)}; they must agree."
+        )
+    shape = tuple(int(s) for s in sh.global_shape[p:])
+    offsets = tuple(int(o) for o in sh.global_offset[p:])
+    return _Block(key, data, shape, offsets)
+
+
+def _object_key(obj: Any) -> str:
+    if math.prod(obj.global_shape) <= 1:
+        return str(obj.key)
+    return f"{obj.key}.shard_{'_'.join(str(int(o)) for o in obj.global_offset)}"
+
+
+def _leaf(key: str, blocks: list[_Block], after_load: list[Callable[[], None]]) -> Any:
+    """One unickpt leaf for the blocks of one tensor this rank holds."""
+    if len(blocks) == 1:
+        b = blocks[0]
+        return ShardedTensor(b.data, b.global_shape, b.offsets)
+    view = _joined_view(blocks)
+    if view is not None:
+        base, dim = view
+        return Fused(base, dim, _pieces(blocks, dim))
+    return _copied(key, blocks, after_load)
+
+
+def _joined_view(blocks: list[_Block]) -> tuple[torch.Tensor, int] | None:
+    """A tensor the blocks are consecutive slices of along one dimension, sharing memory."""
+    first = blocks[0].data
+    if any(b.data.dim() != first.dim() or b.data.stride() != first.stride() for b in blocks):
+        return None
+    if any(
+        b.data.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for b in blocks
+    ):
+        return None
+    for dim in range(first.dim()):
+        others = [d for d in range(first.dim()) if d != dim]
+        if any(b.data.shape[d] != first.shape[d] for b in blocks for d in others):
+            continue
+        offset = first.storage_offset()
+        for b in blocks:
+            if b.data.storage_offset() != offset:
+                break
+            offset += b.data.shape[dim] * first.stride(dim)
+        else:
+            shape = list(first.shape)
+            shape[dim] = sum(b.data.shape[dim] for b in blocks)
+            return first.as_strided(shape, first.stride(), first.storage_offset()), dim
+    return None
+
+
+def _copied(key: str, blocks: list[_Block], after_load: list[Callable[[], None]]) -> Fused:
+    """Blocks in memory of their own: joined into a buffer, copied back after a load."""
+    first = blocks[0].data
+    if any(b.data.shape[1:] != first.shape[1:] for b in blocks) or first.dim() == 0:
+        raise CheckpointError(
+            f"'{key}': this rank holds {len(blocks)} blocks of shapes "
+            f"{[tuple(b.data.shape) for b in blocks]} in separate tensors; unickpt joins such "
+            "blocks along dimension 0 and needs their other dimensions to agree."
+        )
+    buffer = torch.cat([b.data.detach() for b in blocks])
+
+    def copy_back() -> None:
+        start = 0
+        for b in blocks:
+            n = b.data.shape[0]
+            with torch.no_grad():
+                b.data.copy_(buffer[start : start + n])
+            start += n
+
+    after_load.append(copy_back)
+    return Fused(buffer, 0, _pieces(blocks, 0))
+
+
+def _pieces(blocks: list[_Block], dim: int) -> list[FusedPiece]:
+    """The blocks as pieces of a Fused leaf, each a box of the leaf's own key (name "")."""
+    return [FusedPiece("", b.global_shape, b.offsets, int(b.data.shape[dim])) for b in blocks]
+
+
+def _loaded(node: Any, state: dict[str, Any], prefix: str) -> Any:
+    """The sharded state dict with its entries replaced by what was loaded."""
+    m = _mapping()
+    if isinstance(node, dict) and node:
+        return {k: _loaded(v, state, f"{prefix}{k}.") for k, v in node.items()}
+    if isinstance(node, list) and node:
+        return [_loaded(v, state, f"{prefix}{i}.") for i, v in enumerate(node)]
+    if isinstance(node, (m.ShardedTensor, m.ShardedTensorFactory)):
+        return node.data
+    if isinstance(node, m.ShardedObject):
+        node.data = state[_object_key(node)]
+        return node.data
+    return state[f"{COMMON}.{prefix[:-1]}"]

@@ -1,0 +1,117 @@
+"""Build a small Megatron-Core GPT model (SwiGLU, grouped-query attention, local layer spec)
+on CPU gloo ranks, run its forward pass, and save or load its sharded state dict with unickpt.
+
+Megatron-Core expects CUDA in three places; the test replaces them for the run (``shim``):
+``torch.cuda.current_device`` answers "cpu", the RNG tracker's ``fork`` is a no-op context, and
+the forward pass gets an explicit causal ``attention_mask``. The library is not touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+VOCAB = 64
+SEQ = 8
+HIDDEN = 16
+
+
+def shim() -> None:
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    from megatron.core.tensor_parallel import random
+
+    random.CudaRNGStatesTracker.fork = (  # type: ignore[method-assign]
+        lambda self, name="model-parallel-rng": contextlib.nullcontext()
+    )
+
+
+def init_parallel(tp: int, pp: int = 1) -> None:
+    shim()
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def build_model(tp: int, pp: int = 1, seed: int = 0) -> Any:
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(seed)  # the same on every rank: replicated parameters agree
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=32,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return GPTModel(
+        config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=False,
+    )
+
+
+def logits(model: Any) -> torch.Tensor:
+    tokens = torch.arange(2 * SEQ).view(2, SEQ) * 7 % VOCAB
+    positions = torch.arange(SEQ).expand(2, SEQ)
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
+    model.eval()
+    with torch.no_grad():
+        return model(tokens, positions, mask)  # type: ignore[no-any-return]
+
+
+def params(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
+
+
+def save_at(rank: int, world: int, path: str, tp: int, pp: int) -> dict[str, Any]:
+    """Build at (tp, pp), save with unickpt; the logits (last stage) and the parameters."""
+    from unickpt.integrations import megatron as um
+
+    init_parallel(tp, pp)
+    try:
+        model = build_model(tp, pp, seed=1)
+        um.save(model.sharded_state_dict(), path)
+        return {"logits": logits(model) if pp == 1 else None, "params": params(model)}
+    finally:
+        destroy_parallel()
+
+
+def load_at(rank: int, world: int, path: str, tp: int, pp: int) -> dict[str, Any]:
+    """Build at (tp, pp) from another seed, load with unickpt; the logits and parameters."""
+    from unickpt.integrations import megatron as um
+
+    init_parallel(tp, pp)
+    try:
+        model = build_model(tp, pp, seed=2)
+        state = um.load(model.sharded_state_dict(), path)
+        model.load_state_dict(state)
+        return {"logits": logits(model) if pp == 1 else None, "params": params(model)}
+    finally:
+        destroy_parallel()

@@ -5,13 +5,15 @@ Worker threads hash each part's chunk pieces and hand the part to the backend as
 buffers: views of the sources themselves (no copy) and zero padding. The file is completed
 (durable) before :func:`write_file` returns, or aborted (nothing left) when anything fails.
 
-With ``compress``, the writer threads first compress every chunk (:mod:`.compress`, per checksum
-segment); the stored chunks are then laid out back to back and written the same way.
+With ``compress``, every chunk is first compressed (:mod:`.compress`, per checksum segment) on
+as many threads as this rank's share of the host's cores (at least ``io_threads`` where the
+cores allow); the stored chunks are then laid out back to back and written the same way.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
@@ -25,6 +27,7 @@ from ..planning.save_plan import CHUNK_ALIGN, WriteItem
 from ..storage.base import Storage, WriteHandle
 from .checksum import segment_digests
 from .compress import pack_all
+from .memcpy import copy_threads
 from .parts import Part, PartRules, plan_parts
 
 _ZEROS = memoryview(bytes(4096))
@@ -109,7 +112,10 @@ def _write_compressed(
     back to back and write them (hashed already: the checksums cover the stored bytes)."""
     raws = [s.contiguous_bytes().reshape(-1).numpy() for s in sources]
     widths = [s.view.element_size() if f else 0 for s, f in zip(sources, flags)]
-    packed = pack_all(raws, widths, config.segment_bytes, config.io_threads)
+    cores = len(os.sched_getaffinity(0))  # compressing is bound by the cores, not the I/O
+    packed = pack_all(
+        raws, widths, config.segment_bytes, copy_threads(max(cores, config.io_threads))
+    )
     laid, offset = [], 0
     for it, p in zip(items, packed):
         offset = -(-offset // CHUNK_ALIGN) * CHUNK_ALIGN

@@ -365,3 +365,14 @@ def test_a_slice_reads_only_the_segments_that_hold_it(
     whole = {"w": torch.zeros_like(w), "b": torch.ones(7)}
     unickpt.load(url, whole, config=config)
     assert torch.equal(whole["w"], w) and not whole["b"].any()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_async_saves_compress_in_the_background(tmp_path: Path, background: bool) -> None:
+    state = _every_dtype()
+    fut = unickpt.async_save(tmp_path / "c", state, compress=True, background_snapshot=background)
+    fut.wait()
+    assert _meta(tmp_path / "c").version == FORMAT_VERSION
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    unickpt.load(tmp_path / "c", dest)
+    assert all(torch.equal(dest[k].view(-1), v.view(-1)) for k, v in state.items())

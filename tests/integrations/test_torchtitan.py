@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import re
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("torchtitan", reason="needs torchtitan: pip install 'unickpt[torchtitan]'")
 pytest.importorskip("triton", reason="torchtitan's models import triton: pip install triton")
@@ -152,11 +154,117 @@ def test_tensor_parallel_save_resume_and_reshard_to_fsdp2(tmp_path: Path) -> Non
     assert out["fsdp_at_two"] == ref["at_two"]
 
 
+def _initial_load_in_hf(rank: int, world: int, folder: str, hf: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from tests.integrations import titan_job as tj
+
+    if rank == 0 and not hf.startswith("s3://"):
+        tj.write_hf_model(hf, seed=1)
+    dist.barrier()
+    records = tj.record_logs()
+    job = tj.build(world, 1, folder, 4, initial_load_path=hf, initial_load_in_hf=True)
+    before = tj.full_state(job.model)
+    assert job.manager.load()
+    after = tj.full_state(job.model)
+    job.manager.close()
+    out: dict[str, Any] = {"logs": records.messages}
+    if rank == 0:
+        local = hf if not hf.startswith("s3://") else f"{folder}/local-hf"
+        expected = tj.adapter().from_hf(load_file(f"{local}/model.safetensors"))
+        out["keys"] = sorted(after) == sorted(expected)
+        out["unequal"] = [k for k in after if not torch.equal(after[k], expected[k])]
+        out["changed"] = sum(not torch.equal(before[k], after[k]) for k in after)
+        out["total"] = len(after)
+    return out
+
+
+def test_initial_load_in_hf_loads_a_safetensors_model_into_fsdp2(tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    out = run_ranks(2, _initial_load_in_hf, str(tmp_path), str(hf))
+    first = out[0]
+    assert first["keys"] and first["unequal"] == []  # every parameter, bit for bit
+    assert first["changed"] == first["total"]  # the job's own init differs everywhere
+    _assert_logs(
+        first["logs"],
+        [
+            re.escape(f"Loading the checkpoint from {hf}"),
+            rf"Finished loading the checkpoint in {SECONDS} "
+            r"\(checkpoint.initial_load_path, source storage\)",
+        ],
+    )
+
+
+def _last_save_in_hf(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from tests.integrations import titan_job as tj
+
+    records = tj.record_logs()
+    job = tj.build(world, 1, folder, 3, interval=2, last_save_in_hf=True, export_dtype="bfloat16")
+    tj.train(job, 3, 3)
+    steps = job.manager._ckpt.steps()
+    path = job.manager.hf_path(3)
+    job.manager.close()
+    expected = tj.adapter().to_hf(tj.full_state(job.model))
+    return {
+        "logs": records.messages,
+        "steps": steps,
+        "path": path,
+        "expected": {k: _digest(v.bfloat16()) for k, v in expected.items()},
+    }
+
+
+def _digest(tensor: Any) -> str:
+    raw = tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
+    return hashlib.sha256(raw.tobytes()).hexdigest()
+
+
+def test_last_save_in_hf_writes_the_model_as_safetensors(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    out = run_ranks(2, _last_save_in_hf, str(tmp_path))[0]
+    ckpt = tmp_path / "ckpt"
+    hf = ckpt / "step-000000003-hf"
+    assert out["path"] == str(hf)
+    assert out["steps"] == [2]  # the unickpt checkpoints: the HF folder is not one
+    _assert_logs(
+        out["logs"],
+        [
+            *_saved(ckpt, 2),
+            re.escape(f"Saving the checkpoint (step 3) to {hf}"),
+            rf"Finished saving the checkpoint in {SECONDS} \(\d+ bytes written by this rank\)",
+        ],
+    )
+    assert sorted(p.name for p in hf.iterdir()) == ["model.safetensors"]
+    expected = out["expected"]
+    with safe_open(str(hf / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(expected)
+        assert "model.layers.0.self_attn.q_proj.weight" in expected
+        for key in expected:
+            saved = f.get_tensor(key)
+            assert saved.dtype == torch.bfloat16, key
+            assert _digest(saved) == expected[key], key  # bit for bit
+
+
 def test_config_refuses_what_it_cannot_do() -> None:
     from unickpt.integrations.torchtitan import UnickptCheckpointManager
 
-    with pytest.raises(ValueError, match="unickpt convert --from/--to safetensors"):
-        UnickptCheckpointManager.Config(last_save_in_hf=True)
+    with pytest.raises(ValueError, match="last_save_in_hf requires last_save_model_only"):
+        UnickptCheckpointManager.Config(last_save_in_hf=True, last_save_model_only=False)
+    with pytest.raises(ValueError, match="initial_load_in_hf requires initial_load_model_only"):
+        UnickptCheckpointManager.Config(
+            initial_load_path="s3://bucket/hf",
+            initial_load_in_hf=True,
+            initial_load_model_only=False,
+        )
+    with pytest.raises(ValueError, match="initial_load_in_hf_quantized is True"):
+        UnickptCheckpointManager.Config(
+            initial_load_path="/hf", initial_load_in_hf=True, initial_load_in_hf_quantized=True
+        )
+    # a remote Hugging Face model is a URL unickpt.load reads, not a path to refuse
+    remote = UnickptCheckpointManager.Config(initial_load_path="s3://b/hf", initial_load_in_hf=True)
+    assert remote.initial_load_in_hf
     with pytest.raises(ValueError, match="async_mode is 'sometimes'"):
         UnickptCheckpointManager.Config(async_mode="sometimes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="keep_latest_k"):  # torchtitan's own checks still apply

@@ -159,10 +159,41 @@ def build(world: int, tp: int, folder: str, steps: int, **checkpoint: Any) -> Jo
         optimizers=optimizers,
         lr_schedulers=schedulers,
         states={"train_state": train_state},
-        sd_adapter=None,
+        sd_adapter=adapter(),
         base_folder=folder,
     )
     return Job(model, optimizers, schedulers, loader, train_state, manager)
+
+
+def adapter() -> Any:
+    """The debug model's state dict adapter (Hugging Face names), as the trainer builds it."""
+    spec = model_registry("debugmodel")
+    return spec.state_dict_adapter(spec.model, None)
+
+
+def write_hf_model(path: str, seed: int) -> None:
+    """A Hugging Face safetensors model of the debug model (weights from ``seed``), written
+    with safetensors itself: the unsharded model's state through the adapter's ``to_hf``."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    spec = model_registry("debugmodel")
+    with torch.device("meta"):
+        model = spec.model.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        for param in model.parameters():  # norms too: every tensor differs from the job's init
+            param.add_(torch.randn_like(param), alpha=0.02)
+    hf = adapter().to_hf(model.state_dict())
+    save_file({k: v.contiguous() for k, v in hf.items()}, f"{path}/model.safetensors")
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every DTensor gathered whole."""
+    return {
+        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()
+    }
 
 
 def train(job: Job, until: int, total: int) -> list[float]:

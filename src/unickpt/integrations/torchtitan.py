@@ -60,6 +60,7 @@ MODEL = "model"
 OPTIMIZER = "optimizer"
 LR_SCHEDULER = "lr_scheduler"
 DATALOADER = "dataloader"
+_IN_HF = "initial_load_in_hf"
 
 
 class ModelParts:
@@ -105,17 +106,30 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         ``async_with_pinned_mem``: return at once, the snapshot overlapping the next step."""
 
         def __post_init__(self) -> None:
-            BaseCheckpointManager.Config.__post_init__(self)
+            # torchtitan's own checks, less its refusal of a remote Hugging Face initial load:
+            # unickpt.load reads safetensors from storage URLs (s3://...)
+            remote_hf = bool(getattr(self, _IN_HF)) and filesystem.is_remote(
+                self.initial_load_path or ""
+            )
+            if remote_hf:
+                setattr(self, _IN_HF, False)
+            try:
+                BaseCheckpointManager.Config.__post_init__(self)
+            finally:
+                if remote_hf:
+                    setattr(self, _IN_HF, True)
+            if remote_hf and not self.initial_load_model_only:
+                raise ValueError("initial_load_in_hf requires initial_load_model_only.")
             if self.async_mode not in ("disabled", "async", "async_with_pinned_mem"):
                 raise ValueError(
                     f"async_mode is {self.async_mode!r}; expected 'disabled', 'async' or "
                     "'async_with_pinned_mem'."
                 )
-            if self.initial_load_in_hf or self.last_save_in_hf:
+            if self.initial_load_in_hf_quantized:
                 raise ValueError(
-                    "UnickptCheckpointManager reads and writes unickpt checkpoints only; for "
-                    "Hugging Face safetensors use `unickpt convert --from/--to safetensors` "
-                    "(initial_load_in_hf and last_save_in_hf must be False)."
+                    "initial_load_in_hf_quantized is True; UnickptCheckpointManager loads "
+                    "unquantized Hugging Face safetensors only. Dequantize the model first, or "
+                    "use torchtitan's CheckpointManager for this load."
                 )
 
         @classmethod
@@ -182,6 +196,13 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         if dataloader is not None:
             self.states[DATALOADER] = PerRankState(dataloader)
         self.model_parts = model_parts
+        self.sd_adapter = sd_adapter
+        if (config.last_save_in_hf or config.initial_load_in_hf) and sd_adapter is None:
+            raise ValueError(
+                "checkpoint.last_save_in_hf or initial_load_in_hf is True, but the model has no "
+                "state dict adapter (sd_adapter is None); expected the train spec's "
+                "state_dict_adapter, which maps the model's keys to Hugging Face's."
+            )
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self._staging: SaveFuture | None = None
         self._reporter: threading.Thread | None = None  # logs the pending save's end
@@ -207,6 +228,9 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         if not self._should_save(curr_step, last_step):
             return False
         self.maybe_wait_for_saving()
+        if last_step and self.config.last_save_in_hf:
+            self._save_last_step_in_hf(curr_step)
+            return True
         log.info("Saving the checkpoint (step %d) to %s", curr_step, self._ckpt.path(curr_step))
         begin = time.monotonic()
         if last_step:
@@ -234,11 +258,33 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         if not self.config.last_save_model_only:
             future = self._ckpt.save(curr_step, self.states)
         else:
-            weights = ModelParts(self.model_parts).state_dict()
-            model = {k: self._export(v) for k, v in weights.items()}
-            future = self._ckpt.save(curr_step, {MODEL: model})
+            future = self._ckpt.save(curr_step, {MODEL: self._exported_model()})
         self._ckpt.wait()
         return future
+
+    def hf_path(self, step: int) -> str:
+        """The folder of the Hugging Face model the last save writes with ``last_save_in_hf``
+        (``step-000000100-hf``, beside the step folders: not a unickpt checkpoint, so
+        neither loaded nor purged as one)."""
+        return f"{self._ckpt.path(step)}-hf"
+
+    def _save_last_step_in_hf(self, curr_step: int) -> None:
+        """The final model as Hugging Face safetensors, each rank writing the bytes it holds."""
+        assert self.sd_adapter is not None  # checked in __init__
+        path = self.hf_path(curr_step)
+        log.info("Saving the checkpoint (step %d) to %s", curr_step, path)
+        begin = time.monotonic()
+        hf_state = self.sd_adapter.to_hf(self._exported_model())
+        report = api.save(path, hf_state, format="safetensors", overwrite=True)
+        log.info(
+            "Finished saving the checkpoint in %.2f seconds (%d bytes written by this rank)",
+            time.monotonic() - begin,
+            report.bytes_written,
+        )
+
+    def _exported_model(self) -> dict[str, Any]:
+        weights = ModelParts(self.model_parts).state_dict()
+        return {k: self._export(v) for k, v in weights.items()}
 
     def _report_when_done(self, future: SaveFuture, begin: float) -> None:
         """Log the end of a save: now if it is over, else from a thread when it is."""
@@ -272,15 +318,38 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         if steps:  # a seed checkpoint holds the model only
             return self._load_path(self._ckpt.path(0), 0, model_only=True)
         path = self.config.initial_load_path
+        if self.config.initial_load_in_hf:
+            return self._load_hf(path or getattr(self.sd_adapter, "hf_assets_path", None))
         if not path:
             log.info("no checkpoint in %s; training starts from scratch", self.folder)
             return False
-        if not os.path.isdir(path):
-            raise CheckpointNotFoundError(
-                f"checkpoint.initial_load_path {path} is not a folder; expected a unickpt "
-                "checkpoint (convert others with `unickpt convert --from ...`)."
-            )
+        _check_folder(path, "checkpoint.initial_load_path", "a unickpt checkpoint")
         return self._load_path(path, None, self.config.initial_load_model_only)
+
+    def _load_hf(self, path: str | None) -> bool:
+        """The model from a Hugging Face safetensors folder (or URL), through the adapter.
+
+        ``to_hf`` names the model's own tensors (DTensor shards included) by their Hugging Face
+        keys, so each rank reads only what it holds straight into them; the tensors ``to_hf``
+        computes (Llama's permuted q and k projections) are copies of this rank's shards, read
+        into and mapped back by ``from_hf`` before ``load_state_dict``.
+        """
+        if not path:
+            raise CheckpointNotFoundError(
+                "checkpoint.initial_load_in_hf is True but there is no folder to load: "
+                "checkpoint.initial_load_path is empty and the state dict adapter has no "
+                "hf_assets_path. Set initial_load_path to the Hugging Face model's folder."
+            )
+        _check_folder(path, "the Hugging Face model", "a safetensors model folder")
+        assert self.sd_adapter is not None  # checked in __init__
+        log.info("Loading the checkpoint from %s", path)
+        begin = time.monotonic()
+        model = self.states[MODEL]
+        hf_state = self.sd_adapter.to_hf(model.state_dict())
+        api.load(path, hf_state)
+        model.load_state_dict(self.sd_adapter.from_hf(hf_state))
+        _log_loaded(begin, None, "storage")
+        return True
 
     def _load_path(self, path: str, step: int | None, model_only: bool) -> bool:
         log.info("Loading the checkpoint from %s", path)
@@ -348,6 +417,15 @@ class UnickptCheckpointManager(BaseCheckpointManager):
             self._ckpt.close()
         finally:
             self._join_reporter()
+
+
+def _check_folder(path: str, what: str, expected: str) -> None:
+    """A local ``path`` must be a folder; a storage URL (``s3://...``) is left to the load."""
+    if not filesystem.is_remote(path) and not os.path.isdir(path):
+        raise CheckpointNotFoundError(
+            f"{what} {path} is not a folder; expected {expected} (convert others with "
+            "`unickpt convert --from ...`)."
+        )
 
 
 def _log_saved(future: SaveFuture, begin: float) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ pytest.importorskip("torchtitan", reason="needs torchtitan: pip install 'unickpt
 pytest.importorskip("triton", reason="torchtitan's models import triton: pip install triton")
 
 from tests.distributed import run_ranks
+from tests.storage.s3_server import moto_server, new_bucket, raw_client
 from unickpt.tools import inspect_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -160,8 +162,16 @@ def _initial_load_in_hf(rank: int, world: int, folder: str, hf: str) -> dict[str
 
     from tests.integrations import titan_job as tj
 
-    if rank == 0 and not hf.startswith("s3://"):
-        tj.write_hf_model(hf, seed=1)
+    local = f"{folder}/local-hf"
+    if rank == 0:
+        os.makedirs(local)
+        tj.write_hf_model(local, seed=1)
+        if hf.startswith("s3://"):
+            bucket, prefix = hf.removeprefix("s3://").split("/", 1)
+            with open(f"{local}/model.safetensors", "rb") as f:
+                body = f.read()
+            client = raw_client(os.environ["AWS_ENDPOINT_URL"])
+            client.put_object(Bucket=bucket, Key=f"{prefix}/model.safetensors", Body=body)
     dist.barrier()
     records = tj.record_logs()
     job = tj.build(world, 1, folder, 4, initial_load_path=hf, initial_load_in_hf=True)
@@ -171,7 +181,6 @@ def _initial_load_in_hf(rank: int, world: int, folder: str, hf: str) -> dict[str
     job.manager.close()
     out: dict[str, Any] = {"logs": records.messages}
     if rank == 0:
-        local = hf if not hf.startswith("s3://") else f"{folder}/local-hf"
         expected = tj.adapter().from_hf(load_file(f"{local}/model.safetensors"))
         out["keys"] = sorted(after) == sorted(expected)
         out["unequal"] = [k for k in after if not torch.equal(after[k], expected[k])]
@@ -180,21 +189,28 @@ def _initial_load_in_hf(rank: int, world: int, folder: str, hf: str) -> dict[str
     return out
 
 
-def test_initial_load_in_hf_loads_a_safetensors_model_into_fsdp2(tmp_path: Path) -> None:
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    out = run_ranks(2, _initial_load_in_hf, str(tmp_path), str(hf))
-    first = out[0]
-    assert first["keys"] and first["unequal"] == []  # every parameter, bit for bit
-    assert first["changed"] == first["total"]  # the job's own init differs everywhere
+def _assert_loaded_hf(out: dict[str, Any], hf: str) -> None:
+    assert out["keys"] and out["unequal"] == []  # every parameter, bit for bit
+    assert out["changed"] == out["total"]  # the job's own init differs everywhere
     _assert_logs(
-        first["logs"],
+        out["logs"],
         [
             re.escape(f"Loading the checkpoint from {hf}"),
             rf"Finished loading the checkpoint in {SECONDS} "
             r"\(checkpoint.initial_load_path, source storage\)",
         ],
     )
+
+
+def test_initial_load_in_hf_loads_a_safetensors_model_into_fsdp2(tmp_path: Path) -> None:
+    hf = str(tmp_path / "local-hf")
+    _assert_loaded_hf(run_ranks(2, _initial_load_in_hf, str(tmp_path), hf)[0], hf)
+
+
+def test_initial_load_in_hf_reads_a_model_on_s3(tmp_path: Path) -> None:
+    with moto_server() as endpoint:
+        hf = f"s3://{new_bucket(endpoint)}/models/debug"
+        _assert_loaded_hf(run_ranks(2, _initial_load_in_hf, str(tmp_path), hf)[0], hf)
 
 
 def _last_save_in_hf(rank: int, world: int, folder: str) -> dict[str, Any]:

@@ -77,17 +77,20 @@ def build_model(tp: int, pp: int = 1, seed: int = 0) -> Any:
     )
 
 
-def logits(model: Any) -> torch.Tensor:
+def logits(model: Any) -> Any:
     tokens = torch.arange(2 * SEQ).view(2, SEQ) * 7 % VOCAB
     positions = torch.arange(SEQ).expand(2, SEQ)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
     model.eval()
     with torch.no_grad():
-        return model(tokens, positions, mask)  # type: ignore[no-any-return]
+        return model(tokens, positions, mask).numpy().copy()
 
 
-def params(model: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
+def params(model: Any) -> dict[str, Any]:
+    """The parameters by name, as NumPy arrays (sent back by value, not as shared memory)."""
+    return {
+        k: v.detach().numpy().copy() for k, v in model.state_dict().items() if "_extra" not in k
+    }
 
 
 def save_at(rank: int, world: int, path: str, tp: int, pp: int) -> dict[str, Any]:
@@ -113,5 +116,89 @@ def load_at(rank: int, world: int, path: str, tp: int, pp: int) -> dict[str, Any
         state = um.load(model.sharded_state_dict(), path)
         model.load_state_dict(state)
         return {"logits": logits(model) if pp == 1 else None, "params": params(model)}
+    finally:
+        destroy_parallel()
+
+
+def _cpu_tensors() -> Any:
+    """Megatron's FP32Optimizer makes its loss scale with ``device='cuda'``: made on the CPU."""
+    real = torch.tensor
+
+    def tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return real(*args, **kwargs)
+
+    return tensor
+
+
+def build_optimizer(model: Any) -> Any:
+    """Megatron's Adam (not distributed) over the model wrapped in Megatron's DDP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    config = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=False)
+    real, torch.tensor = torch.tensor, _cpu_tensors()  # type: ignore[assignment]
+    try:
+        return ddp, get_megatron_optimizer(config, [ddp])
+    finally:
+        torch.tensor = real  # type: ignore[assignment]
+
+
+def train_step(ddp: Any, optimizer: Any) -> None:
+    """One Adam step; the inner torch optimizer steps (Megatron's step computes the grad
+    norm on CUDA)."""
+    tokens = torch.arange(2 * SEQ).view(2, SEQ) * 5 % VOCAB
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
+    ddp.train()
+    ddp(tokens, torch.arange(SEQ).expand(2, SEQ), mask).float().square().mean().backward()
+    ddp.finish_grad_sync()
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner.prepare_grads()
+        inner.optimizer.step()
+
+
+def adam_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """``{param name}.{exp_avg|exp_avg_sq}`` -> a copy, from the inner torch optimizers."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for p, state in inner.optimizer.state.items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                out[f"{names[id(p)]}.{k}"] = state[k].detach().numpy().copy()
+    return out
+
+
+def save_trained(rank: int, world: int, path: str, tp: int, pp: int) -> dict[str, Any]:
+    """Build at (tp, pp), take one Adam step, save model and optimizer with unickpt."""
+    from unickpt.integrations import megatron as um
+
+    init_parallel(tp, pp)
+    try:
+        model = build_model(tp, pp, seed=1)
+        ddp, optimizer = build_optimizer(model)
+        train_step(ddp, optimizer)
+        msd = model.sharded_state_dict()
+        um.save({"model": msd, "optimizer": optimizer.sharded_state_dict(msd)}, path)
+        return {"params": params(model), "adam": adam_state(model, optimizer)}
+    finally:
+        destroy_parallel()
+
+
+def load_trained(rank: int, world: int, path: str, tp: int, pp: int) -> dict[str, Any]:
+    """Build at (tp, pp) from another seed, load model and optimizer with unickpt."""
+    from unickpt.integrations import megatron as um
+
+    init_parallel(tp, pp)
+    try:
+        model = build_model(tp, pp, seed=2)
+        _, optimizer = build_optimizer(model)
+        msd = model.sharded_state_dict()
+        osd = optimizer.sharded_state_dict(msd, is_loading=True)
+        state = um.load({"model": msd, "optimizer": osd}, path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        return {"params": params(model), "adam": adam_state(model, optimizer)}
     finally:
         destroy_parallel()

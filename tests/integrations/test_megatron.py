@@ -9,6 +9,7 @@ sums its row-parallel products in another order than TP=1; measured difference a
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,43 +21,48 @@ from tests.distributed import run_ranks
 from tests.integrations import megatron_job as mj
 
 ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+SPLIT = ("linear_qkv.", "linear_fc1.", "word_embeddings.", "output_layer.", *ROW_PARALLEL)
 
 
-def _unsharded(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
-    """A TP=1 parameter from its TP shards, the way Megatron splits it."""
-    if (
-        all(p.shape == parts[0].shape for p in parts)
-        and all(torch.equal(p, parts[0]) for p in parts)
-        and not any(s in name for s in ("linear_qkv", "linear_fc1", "embeddings.weight"))
-    ):
-        return parts[0]  # replicated: layer norms, row-parallel biases, positions
-    if name.endswith(ROW_PARALLEL):
-        return torch.cat(parts, 1)
-    if "linear_fc1" in name:  # SwiGLU: each rank holds its gate rows, then its up rows
+def _unsharded(name: str, arrays: list[Any]) -> list[torch.Tensor]:
+    """A TP=1 tensor (a parameter, or its Adam state) from its TP shards, the way Megatron
+    splits it; for a replicated one, each rank's copy (one of them is saved)."""
+    parts = [torch.from_numpy(a) for a in arrays]
+    param = name.removesuffix(".exp_avg").removesuffix(".exp_avg_sq")
+    if not any(s in param for s in SPLIT):
+        return parts  # layer norms, row-parallel biases, position embeddings
+    if param.endswith(ROW_PARALLEL):
+        return [torch.cat(parts, 1)]
+    if "linear_fc1" in param:  # SwiGLU: each rank holds its gate rows, then its up rows
         halves = [p.chunk(2, 0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-    if name == "embedding.position_embeddings.weight":
-        return parts[0]
-    return torch.cat(parts, 0)  # column parallel (qkv by query groups), vocabulary parallel
+        return [torch.cat([h[0] for h in halves] + [h[1] for h in halves])]
+    return [torch.cat(parts, 0)]  # column parallel (qkv by query groups), vocabulary parallel
+
+
+def _assert_saved(loaded: dict[str, Any], saved: dict[str, list[torch.Tensor]]) -> None:
+    assert loaded.keys() == saved.keys()
+    for name, copies in saved.items():
+        value = torch.from_numpy(loaded[name])
+        assert any(torch.equal(value, c) for c in copies), name
 
 
 @pytest.fixture(scope="module")
 def saved_tp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
     path = str(tmp_path_factory.mktemp("megatron") / "ckpt")
     ranks = run_ranks(2, mj.save_at, path, 2, 1, timeout_s=300)
-    assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])
+    assert (ranks[0]["logits"] == ranks[1]["logits"]).all()
     names = ranks[0]["params"]
     params = {k: _unsharded(k, [r["params"][k] for r in ranks]) for k in names}
-    return path, {"logits": ranks[0]["logits"], "params": params}
+    return path, {"logits": torch.from_numpy(ranks[0]["logits"]), "params": params}
 
 
 def test_tp2_checkpoint_loads_at_tp1(saved_tp2: tuple[str, dict[str, Any]]) -> None:
     path, saved = saved_tp2
     loaded = run_ranks(1, mj.load_at, path, 1, 1, timeout_s=300)[0]
     assert loaded["params"].keys() == saved["params"].keys()
-    for name, value in saved["params"].items():
-        assert torch.equal(loaded["params"][name], value), name
-    torch.testing.assert_close(loaded["logits"], saved["logits"], rtol=0, atol=1e-6)
+    _assert_saved(loaded["params"], saved["params"])
+    logits = torch.from_numpy(loaded["logits"])
+    torch.testing.assert_close(logits, saved["logits"], rtol=0, atol=1e-6)
 
 
 def _global_layer(name: str, stage: int, layers_per_stage: int) -> str:
@@ -70,10 +76,18 @@ def _global_layer(name: str, stage: int, layers_per_stage: int) -> str:
 def test_tp2_checkpoint_loads_at_pp2(saved_tp2: tuple[str, dict[str, Any]]) -> None:
     path, saved = saved_tp2
     stages = run_ranks(2, mj.load_at, path, 1, 2, timeout_s=300)
-    seen: dict[str, torch.Tensor] = {}
+    seen: dict[str, Any] = {}
     for stage, result in enumerate(stages):
         for name, value in result["params"].items():
             seen[_global_layer(name, stage, 1)] = value
-    assert seen.keys() == saved["params"].keys()
-    for name, value in saved["params"].items():
-        assert torch.equal(seen[name], value), name
+    _assert_saved(seen, saved["params"])
+
+
+def test_adam_state_saved_at_tp2_loads_at_tp1(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    ranks = run_ranks(2, mj.save_trained, path, 2, 1, timeout_s=300)
+    loaded = run_ranks(1, mj.load_trained, path, 1, 1, timeout_s=300)[0]
+    for what in ("params", "adam"):
+        saved = {k: _unsharded(k, [r[what][k] for r in ranks]) for k in ranks[0][what]}
+        _assert_saved(loaded[what], saved)
+    assert any(abs(v).sum() > 0 for v in loaded["adam"].values())  # a step was taken

@@ -22,7 +22,8 @@ What maps to what:
 - a ``ShardedObject`` is a value under ``{key}`` plus ``.shard_{offsets}`` when its global shape
   holds several shards; tensors inside it are saved as replicated tensors of that key;
 - any other entry (a plain value or tensor of the common state) is saved under
-  ``common.{path}`` and returned as loaded.
+  ``common.{path}`` (written once, by the lowest rank holding it, as Megatron's common state is)
+  and returned as loaded; a ``LocalNonpersistentObject`` is not saved and returned unwrapped.
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ from typing import Any
 import torch
 
 from .. import api
+from ..engine.commit import read_metadata
 from ..errors import CheckpointError
+from ..format.dtypes import dtype_from_name
 from ..layouts.leaves import Fused, FusedPiece, ShardedTensor
+from ..storage.registry import open_storage
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +94,36 @@ def load(sharded_state_dict: dict[str, Any], path: str | os.PathLike[str], **kwa
     >>> model.load_state_dict(state)  # doctest: +SKIP
     """
     mapped = _map(sharded_state_dict)
-    api.load(path, mapped.state, **kwargs)
+    extra = _saved_common(path, mapped.state)
+    api.load(path, {**mapped.state, **extra}, **kwargs)
     for finish in [*mapped.copies, *mapped.merges]:
         finish()
-    return _loaded(sharded_state_dict, mapped.state, "")
+    loaded = _loaded(sharded_state_dict, mapped.state, "")
+    for key, value in extra.items():
+        _put(loaded, key[len(COMMON) + 1 :].split("."), value)
+    return loaded
+
+
+def _saved_common(path: str | os.PathLike[str], state: dict[str, Any]) -> dict[str, Any]:
+    """Slots for the common entries saved but absent from a loading state dict (Megatron's
+    optimizer asks for ``common_step`` only when saving): returned too, as Megatron's own load
+    returns its whole common state."""
+    _, meta = read_metadata(open_storage(path))
+    prefix = f"{COMMON}."
+    slots: dict[str, Any] = {}
+    for key, t in meta.tensors.items():
+        if key.startswith(prefix) and key not in state:
+            slots[key] = torch.empty(t.value_shape, dtype=dtype_from_name(t.value_dtype))
+    for key in meta.objects:
+        if key.startswith(prefix) and key not in state:
+            slots[key] = None
+    return slots
+
+
+def _put(node: dict[str, Any], path: list[str], value: Any) -> None:
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+    node[path[-1]] = value
 
 
 def _mapping() -> Any:
@@ -135,7 +165,7 @@ def _map_entry(mapped: _Mapped, path: str, value: Any) -> None:
         mapped.blocks.setdefault(block.key, []).append(block)
     elif isinstance(value, m.ShardedObject):
         mapped.state[_object_key(value)] = value.data
-    else:
+    elif not isinstance(value, m.LocalNonpersistentObject):
         mapped.state[f"{COMMON}.{path}"] = value
 
 
@@ -274,4 +304,6 @@ def _loaded(node: Any, state: dict[str, Any], prefix: str) -> Any:
     if isinstance(node, m.ShardedObject):
         node.data = state[_object_key(node)]
         return node.data
+    if isinstance(node, m.LocalNonpersistentObject):
+        return node.unwrap()
     return state[f"{COMMON}.{prefix[:-1]}"]

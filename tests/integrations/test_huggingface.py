@@ -31,7 +31,11 @@ def _limit_file_size(limit: int) -> None:
 
 
 def _trainer(
-    out: str, stop_at: int | None = None, save_total_limit: int = 2, fail_from: int | None = None
+    out: str,
+    stop_at: int | None = None,
+    save_total_limit: int = 2,
+    fail_from: int | None = None,
+    **unickpt: Any,
 ) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
@@ -64,7 +68,11 @@ def _trainer(
         disable_tqdm=True,
     )
     return UnickptTrainer(
-        model=model, args=args, train_dataset=data, callbacks=[StopAt()], unickpt_async=True
+        model=model,
+        args=args,
+        train_dataset=data,
+        callbacks=[StopAt()],
+        **{"unickpt_async": True, **unickpt},
     )
 
 
@@ -182,3 +190,59 @@ def test_save_total_limit_keeps_the_committed_checkpoint_when_an_async_save_fail
         assert all(r["same"])  # resumed from checkpoint-2, ends bit for bit with the reference
         assert r["left"] == ["checkpoint-6"]  # rotated once step 6 was committed
     assert sorted(os.listdir(tmp_path / "reference")) == ["checkpoint-6"]
+
+
+def _save_model_from_every_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    os.environ.update(LOCAL_RANK=str(rank), HF_HUB_OFFLINE="1")
+    from safetensors import safe_open
+    from transformers import GPT2LMHeadModel
+
+    from unickpt.integrations.huggingface import save_pretrained
+
+    trainer = _trainer(f"{root}/run", unickpt_save_model=True)
+    trainer.train()
+    trainer.save_model(f"{root}/final")  # every rank writes its share: no gather
+    report = save_pretrained(trainer, f"{root}/again", max_shard_size=20_000)
+    model = trainer.model.module if hasattr(trainer.model, "module") else trainer.model
+    out: dict[str, Any] = {"bytes_written": report.bytes_written}
+    if rank == 0:
+        model.save_pretrained(f"{root}/reference")  # what the Trainer's save_model writes
+        model.eval()
+        inputs = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            logits = model(inputs).logits
+        for name in ("final", "again"):
+            loaded = GPT2LMHeadModel.from_pretrained(f"{root}/{name}").eval()
+            with torch.no_grad():
+                out[f"{name}_equal"] = torch.equal(loaded(inputs).logits, logits)
+        with (
+            safe_open(f"{root}/final/model.safetensors", "pt") as ours,
+            safe_open(f"{root}/reference/model.safetensors", "pt") as ref,
+        ):
+            names = sorted(ref.keys())
+            out["keys"] = (sorted(ours.keys()), names)
+            out["unequal"] = [
+                k for k in names if not torch.equal(ours.get_tensor(k), ref.get_tensor(k))
+            ]
+    return out
+
+
+def test_save_model_writes_safetensors_from_every_ddp_rank(tmp_path: Path) -> None:
+    out = run_ranks(2, _save_model_from_every_rank, str(tmp_path))
+    first = out[0]
+    assert first["final_equal"] and first["again_equal"]  # from_pretrained: the same logits
+    ours, reference = first["keys"]
+    assert ours == reference  # the keys save_pretrained writes (lm_head tied: left out)
+    assert "lm_head.weight" not in ours
+    assert first["unequal"] == []
+    assert all(r["bytes_written"] > 0 for r in out)  # both ranks wrote their share
+    final = sorted(p.name for p in (tmp_path / "final").iterdir())
+    assert final == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "training_args.bin",
+    ]
+    again = {p.name for p in (tmp_path / "again").iterdir()}
+    assert "model.safetensors.index.json" in again  # shards of about 20 kB
+    assert "model-00001-of-" in " ".join(sorted(again))

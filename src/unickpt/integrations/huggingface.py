@@ -24,7 +24,10 @@ Trainer's rotation is held back until the newer checkpoint is committed (checked
 end, at the next save and at the end of ``train``), and a save that fails leaves the older
 checkpoints in place. ``resume_from_checkpoint=True`` resumes from the newest complete
 checkpoint (committed, with its ``trainer_state.json``), skipping newer incomplete ones with a
-warning. The final ``save_model`` is the Trainer's: ``save_pretrained`` with the config.
+warning. The final ``save_model`` is the Trainer's (``save_pretrained`` on the main process);
+:func:`save_pretrained` (or ``UnickptTrainer(..., unickpt_save_model=True)``, which makes
+``save_model(dir)`` call it) writes the same folder from every rank of a sharded job, without
+gathering the model to one rank.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from .. import api
+from ..engine import saver
 from ..engine.futures import SaveFuture
 from ..format.metadata import COMMIT_FILE
 from ..layouts.leaves import PerRank
@@ -51,15 +55,23 @@ log = logging.getLogger(__name__)
 SUBFOLDER = "unickpt"
 PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
 TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
+TRAINING_ARGS = "training_args.bin"  # transformers' TRAINING_ARGS_NAME
 _STEP = re.compile(rf"^{PREFIX}-(\d+)$")
 
 
 class UnickptTrainerMixin:
     """Put in front of a ``transformers.Trainer`` (subclass) to checkpoint through unickpt."""
 
-    def __init__(self, *args: Any, unickpt_async: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        unickpt_async: bool = False,
+        unickpt_save_model: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.unickpt_async = unickpt_async
+        self.unickpt_save_model = unickpt_save_model  # save_model(dir): save_pretrained below
         self._unickpt_pending: SaveFuture | None = None
         self._unickpt_rotation: str | None = None  # the run folder to rotate once committed
         self._unickpt_folder: str | None = None
@@ -109,6 +121,10 @@ class UnickptTrainerMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if _internal_call and self._in_checkpoint_save(output_dir):
             return  # the weights are in the unickpt checkpoint
+        if self.unickpt_save_model and not _internal_call:
+            trainer: Any = self
+            save_pretrained(trainer, output_dir or trainer.args.output_dir)
+            return
         super().save_model(output_dir, _internal_call)  # type: ignore[misc]
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -227,6 +243,50 @@ def _rotation_held(args: Any) -> Iterator[None]:
         yield
     finally:
         args.save_total_limit = limit
+
+
+def save_pretrained(
+    trainer: Any, path: str, *, max_shard_size: int | str = "5GB"
+) -> saver.SaveReport:
+    """Write the trainer's model as ``trainer.save_model(path)`` does, from every rank.
+
+    Every rank calls it together. The weights go through
+    ``unickpt.save(path, state, format="safetensors")``: each rank writes the bytes it holds
+    (a DDP replica's share, an FSDP2 shard) straight into ``model.safetensors`` (or shards of
+    about ``max_shard_size`` and ``model.safetensors.index.json``), with no gather to one rank.
+    Tied weights are written once, as ``save_pretrained`` does. The process that saves
+    (``args.should_save``) then writes the config (and generation config), the processing
+    class (tokenizer) and ``training_args.bin``, and every rank returns once all is written,
+    with its save's report (``bytes_written`` by this rank).
+
+    >>> trainer.train()  # doctest: +SKIP
+    >>> save_pretrained(trainer, "out/final")  # doctest: +SKIP
+    >>> GPT2LMHeadModel.from_pretrained("out/final")  # doctest: +SKIP
+    """
+    model = _unwrap(trainer.model)
+    report = api.save(
+        path,
+        dict(model.state_dict()),
+        format="safetensors",
+        max_shard_size=max_shard_size,
+        overwrite=True,
+    )
+    if trainer.args.should_save:
+        _save_model_files(trainer, model, path)
+    trainer.accelerator.wait_for_everyone()
+    log.info("saved the model to %s (%d bytes written by this rank)", path, report.bytes_written)
+    return report
+
+
+def _save_model_files(trainer: Any, model: Any, path: str) -> None:
+    """What ``Trainer.save_model`` writes beside the weights."""
+    model.config.save_pretrained(path)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and model.can_generate():
+        generation.save_pretrained(path)
+    if trainer.processing_class is not None:
+        trainer.processing_class.save_pretrained(path)
+    torch.save(trainer.args, os.path.join(path, TRAINING_ARGS))
 
 
 def last_complete_checkpoint(run_dir: str) -> str | None:

@@ -278,6 +278,16 @@ def test_config_refuses_what_it_cannot_do() -> None:
         UnickptCheckpointManager.Config(
             initial_load_path="/hf", initial_load_in_hf=True, initial_load_in_hf_quantized=True
         )
+    with pytest.raises(ValueError, match="the model has no state dict adapter"):
+        UnickptCheckpointManager(
+            UnickptCheckpointManager.Config(enable=True, last_save_in_hf=True),
+            dataloader=None,
+            model_parts=[torch.nn.Linear(2, 2)],
+            optimizers=None,
+            lr_schedulers=None,
+            states={},
+            sd_adapter=None,
+        )
     # a remote Hugging Face model is a URL unickpt.load reads, not a path to refuse
     remote = UnickptCheckpointManager.Config(initial_load_path="s3://b/hf", initial_load_in_hf=True)
     assert remote.initial_load_in_hf

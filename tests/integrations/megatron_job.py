@@ -202,3 +202,54 @@ def load_trained(rank: int, world: int, path: str, tp: int, pp: int) -> dict[str
         return {"params": params(model), "adam": adam_state(model, optimizer)}
     finally:
         destroy_parallel()
+
+
+def _hand_state(rank: int, world: int, rows: list[list[int]], seed: int) -> dict[str, Any]:
+    """Hand-made Megatron entries: ``w`` (4x6) as the given row blocks, each a tensor of its
+    own; ``norm`` held whole by every rank; a per-rank ShardedObject holding a tensor; a value."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    full = torch.arange(24, dtype=torch.float32).view(4, 6) if seed == 0 else torch.zeros(4, 6)
+    state: dict[str, Any] = {
+        "w": [
+            ShardedTensor.from_rank_offsets(
+                "w", full[r0:r1].clone(), (0, r0 // (r1 - r0), 4 // (r1 - r0))
+            )
+            for r0, r1 in rows
+        ],
+        "norm": ShardedTensor.from_rank_offsets(
+            "norm", torch.full((6,), float(1 - seed)), replica_id=rank
+        ),
+        "rng": ShardedObject(
+            "rng",
+            {"seed": 10 + rank - 10 * seed, "t": torch.full((3,), float(rank + 1 - seed))},
+            (world,),
+            (rank,),
+            replica_id=0,
+        ),
+        "iteration": 7 - 7 * seed,
+    }
+    return state
+
+
+def save_hand(rank: int, world: int, path: str) -> None:
+    """Rank r holds rows r and r + 2 of ``w``: two blocks of one key in separate tensors."""
+    from unickpt.integrations import megatron as um
+
+    um.save(_hand_state(rank, world, [[rank, rank + 1], [rank + 2, rank + 3]], 0), path)
+
+
+def load_hand(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Rank r holds rows 2r and 2r + 1 as one block; everything starts zeroed."""
+    from unickpt.integrations import megatron as um
+
+    state = _hand_state(rank, world, [[2 * rank, 2 * rank + 2]], 1)
+    loaded = um.load(state, path)
+    return {
+        "w": state["w"][0].data.numpy().copy(),
+        "w_returned": loaded["w"][0].numpy().copy(),
+        "norm": loaded["norm"].numpy().copy(),
+        "rng_seed": loaded["rng"]["seed"],
+        "rng_t": loaded["rng"]["t"].numpy().copy(),
+        "iteration": loaded["iteration"],
+    }

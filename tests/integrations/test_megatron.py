@@ -91,3 +91,20 @@ def test_adam_state_saved_at_tp2_loads_at_tp1(tmp_path: Path) -> None:
         saved = {k: _unsharded(k, [r[what][k] for r in ranks]) for k in ranks[0][what]}
         _assert_saved(loaded[what], saved)
     assert any(abs(v).sum() > 0 for v in loaded["adam"].values())  # a step was taken
+
+
+def test_blocks_objects_and_replicas_round_trip(tmp_path: Path) -> None:
+    from unickpt.tools import inspect_checkpoint
+
+    path = str(tmp_path / "ckpt")
+    run_ranks(2, mj.save_hand, path, timeout_s=120)
+    full = torch.arange(24, dtype=torch.float32).view(4, 6)
+    summary = inspect_checkpoint(path)
+    assert summary.tensor_bytes == (24 + 6 + 3 * 2) * 4  # norm, held by both ranks, once
+    for rank, got in enumerate(run_ranks(2, mj.load_hand, path, timeout_s=120)):
+        assert torch.equal(torch.from_numpy(got["w"]), full[2 * rank : 2 * rank + 2])
+        assert torch.equal(torch.from_numpy(got["w_returned"]), full[2 * rank : 2 * rank + 2])
+        assert torch.equal(torch.from_numpy(got["norm"]), torch.ones(6))
+        assert got["rng_seed"] == 10 + rank
+        assert torch.equal(torch.from_numpy(got["rng_t"]), torch.full((3,), float(rank + 1)))
+        assert got["iteration"] == 7

@@ -95,12 +95,13 @@ def load(sharded_state_dict: dict[str, Any], path: str | os.PathLike[str], **kwa
     """
     mapped = _map(sharded_state_dict)
     extra = _saved_common(path, mapped.state)
-    api.load(path, {**mapped.state, **extra}, **kwargs)
+    mapped.state.update(extra)
+    api.load(path, mapped.state, **kwargs)  # values are put back into mapped.state
     for finish in [*mapped.copies, *mapped.merges]:
         finish()
     loaded = _loaded(sharded_state_dict, mapped.state, "")
-    for key, value in extra.items():
-        _put(loaded, key[len(COMMON) + 1 :].split("."), value)
+    for key in extra:
+        _put(loaded, key[len(COMMON) + 1 :].split("."), mapped.state[key])
     return loaded
 
 

@@ -1,7 +1,8 @@
 """Megatron-Core sharded state dicts saved and loaded by unickpt, on real gloo ranks.
 
 A GPTModel with SwiGLU and grouped-query attention (local layer spec) is saved at TP=2, then
-loaded at TP=1 and at PP=2 into models built from another seed: every parameter equals the
+loaded at TP=1 and at PP=2 into models built from another seed (and one saved by two
+data-parallel replicas, written once, loads at TP=2): every parameter equals the
 saved model's bitwise. The logits equal the saved model's to float32 rounding (the TP=2 forward
 sums its row-parallel products in another order than TP=1; measured difference about 3e-8).
 """
@@ -19,6 +20,8 @@ pytest.importorskip("megatron.core", reason="needs megatron-core: pip install me
 
 from tests.distributed import run_ranks
 from tests.integrations import megatron_job as mj
+
+pytestmark = pytest.mark.slow
 
 ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
 SPLIT = ("linear_qkv.", "linear_fc1.", "word_embeddings.", "output_layer.", *ROW_PARALLEL)
@@ -93,14 +96,19 @@ def test_adam_state_saved_at_tp2_loads_at_tp1(tmp_path: Path) -> None:
     assert any(abs(v).sum() > 0 for v in loaded["adam"].values())  # a step was taken
 
 
-def test_blocks_objects_and_replicas_round_trip(tmp_path: Path) -> None:
-    from unickpt.tools import inspect_checkpoint
+def _stored_bytes(path: str) -> int:
+    """The bytes of all chunks the checkpoint stores (a replica stored twice counts twice)."""
+    from unickpt.engine.commit import read_checkpoint
+    from unickpt.storage.registry import open_storage
 
+    return read_checkpoint(open_storage(path))[1].total_bytes
+
+
+def test_blocks_objects_and_replicas_round_trip(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     run_ranks(2, mj.save_hand, path, timeout_s=120)
     full = torch.arange(24, dtype=torch.float32).view(4, 6)
-    summary = inspect_checkpoint(path)
-    assert summary.tensor_bytes == (24 + 6 + 3 * 2) * 4  # norm, held by both ranks, once
+    assert _stored_bytes(path) == (24 + 6 + 3 * 2) * 4  # norm, held by both ranks, once
     for rank, got in enumerate(run_ranks(2, mj.load_hand, path, timeout_s=120)):
         assert torch.equal(torch.from_numpy(got["w"]), full[2 * rank : 2 * rank + 2])
         assert torch.equal(torch.from_numpy(got["w_returned"]), full[2 * rank : 2 * rank + 2])
@@ -108,3 +116,16 @@ def test_blocks_objects_and_replicas_round_trip(tmp_path: Path) -> None:
         assert got["rng_seed"] == 10 + rank
         assert torch.equal(torch.from_numpy(got["rng_t"]), torch.full((3,), float(rank + 1)))
         assert got["iteration"] == 7
+
+
+def test_dp2_checkpoint_writes_one_copy_and_loads_at_tp2(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    ranks = run_ranks(2, mj.save_at, path, 1, 1, timeout_s=300)  # TP=1: two data-parallel replicas
+    saved = {k: [torch.from_numpy(v)] for k, v in ranks[0]["params"].items()}
+    assert _stored_bytes(path) == sum(v[0].numel() * 4 for v in saved.values())
+    loaded = run_ranks(2, mj.load_at, path, 2, 1, timeout_s=300)
+    names = loaded[0]["params"]
+    gathered = {k: _unsharded(k, [r["params"][k] for r in loaded]) for k in names}
+    assert gathered.keys() == saved.keys()
+    for name, copies in gathered.items():
+        assert all(torch.equal(c, saved[name][0]) for c in copies), name

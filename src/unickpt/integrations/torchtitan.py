@@ -24,6 +24,11 @@ does (``Saving the checkpoint (step N) to ...``, ``Finished saving the checkpoin
   (``background_snapshot=True``: the snapshot overlaps the next forward and backward and
   ``maybe_wait_for_staging``, or the next optimizer step, waits for it).
 
+With the train spec's state dict adapter, ``initial_load_in_hf`` loads the model from a Hugging
+Face safetensors folder or URL (``initial_load_path``) through ``to_hf``/``from_hf``, each rank
+reading what it holds, and ``last_save_in_hf`` writes the last save's model as safetensors
+(``step-000000100-hf``) from every rank.
+
 Checkpoints are unickpt checkpoints (``step-000000100``): ``unickpt inspect``, ``convert``
 and ``load`` read them. Loading into another world size or layout works for everything but the
 data loader, whose state belongs to a data-parallel rank: list ``"dataloader"`` in

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -20,6 +21,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _packed(result: tuple[int, bool, Any]) -> bytes:
+    """A rank's result as plain pickle bytes: tensors travel by value. Through the queue's own
+    pickler they would travel as shared memory whose file descriptor the receiver fetches from
+    the sending process, which may have exited by then (FileNotFoundError in the test)."""
+    return pickle.dumps(result)
+
+
 def _entry(
     rank: int,
     world: int,
@@ -35,9 +43,9 @@ def _entry(
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
-        q.put((rank, True, result))
+        q.put(_packed((rank, True, result)))
     except BaseException as e:  # noqa: BLE001 - sent to the test
-        q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        q.put(_packed((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
     finally:
         if stay:
             time.sleep(3600)  # until the test kills it
@@ -73,7 +81,7 @@ def run_ranks(
     errors = []
     try:
         for _ in range(world):
-            rank, ok, value = q.get(timeout=timeout_s)
+            rank, ok, value = pickle.loads(q.get(timeout=timeout_s))
             if ok:
                 results[rank] = value
             else:
@@ -97,7 +105,7 @@ def start_ranks(
     results: dict[int, Any] = {}
     try:
         for _ in range(world):
-            rank, ok, value = q.get(timeout=timeout_s)
+            rank, ok, value = pickle.loads(q.get(timeout=timeout_s))
             if not ok:
                 raise AssertionError(f"rank {rank}: {value}")
             results[rank] = value

@@ -144,9 +144,13 @@ def test_load_latest_raises_naming_every_step_when_none_loads(tmp_path: Path) ->
     assert "may hold values that these loads wrote" in message
 
 
-def _writer(root: str, steps: int) -> None:
+def _writer(root: str, stop: Any) -> None:
+    """Saves step after step with keep_last=1 until told to stop (retention deletes each step
+    as the next commits)."""
     ckpt = unickpt.Checkpointer(root, keep_last=1, async_save=False)
-    for step in range(1, steps + 1):
+    step = 0
+    while not stop.is_set() and step < 10_000:
+        step += 1
         ckpt.save(step, _state(step, 1 << 20))
     ckpt.close()
 
@@ -155,23 +159,26 @@ def test_a_reader_beside_a_writer_with_keep_last_1_always_gets_a_whole_step(
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "root"
-    writer = multiprocessing.get_context("spawn").Process(target=_writer, args=(str(root), 60))
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    writer = ctx.Process(target=_writer, args=(str(root), stop))
     writer.start()
     reader = unickpt.Checkpointer(root)
+    loads: list[int] = []
     try:
         deadline = time.monotonic() + 120
-        while not (root / step_name(1) / "COMMIT").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        loads = []
-        while writer.is_alive() and time.monotonic() < deadline and len(loads) < 200:
+        while not list(root.glob("step-*/COMMIT")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the writer's first commit (keep_last=1: any step's)
+        while writer.is_alive() and time.monotonic() < deadline and len(loads) < 30:
             dest = _zeros(1 << 20)
             step = reader.load_latest(dest)
             assert step is not None
             assert _holds(dest, step), step
             loads.append(step)
     finally:
+        stop.set()
         writer.join(120)
-    assert writer.exitcode == 0 and len(loads) >= 3
+    assert writer.exitcode == 0 and len(loads) == 30
     assert loads == sorted(loads)
 
 

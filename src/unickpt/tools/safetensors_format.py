@@ -16,27 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.complex64: "C64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-}
+from ..foreign.common import DTYPE_NAMES as DTYPE_NAMES
+from ..foreign.common import INDEX_FILE as INDEX_FILE
+from ..foreign.common import SINGLE_FILE as SINGLE_FILE
 
 
 def shard_name(index: int, count: int) -> str:

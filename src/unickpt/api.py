@@ -30,6 +30,7 @@ from .engine.loader import load as _load
 from .engine.references import resolving
 from .engine.staging import ARENA, snapshot, stream_marker
 from .engine.write import ItemSource
+from .foreign.dequantizing import DequantizingStorage
 from .foreign.detect import read_any, split_source
 from .format.metadata import Metadata
 from .layouts.rules import LayoutMap, applying
@@ -361,6 +362,7 @@ def load(
     config: Config | None = None,
     keys: KeyMap | None = None,
     layout: LayoutMap | None = None,
+    dequantize: bool | tuple[int, int] = False,
 ) -> LoadReport:
     """Load the checkpoint at ``path`` into ``state`` in place, resharding as needed.
 
@@ -378,6 +380,17 @@ def load(
     checkpoint that also holds an optimizer is fine, a missing or unknown weight is not.
     ``strict=False`` loads the keys both have and warns about the others. ``verify=False``
     skips checksum verification. ``layout`` is as for :func:`save`.
+
+    ``dequantize=True`` loads the float8 weights of a safetensors model stored in blocks with
+    scales (``X.weight`` beside ``X.weight_scale_inv``, one float32 scale per block, as
+    DeepSeek-V3) into the state's dtype (bfloat16, float16, float32): each value is the code
+    times the scale of its block, and each rank reads the rows it holds and their scales only.
+    The block size comes from the model's ``config.json`` (``weight_block_size``), else 128 x
+    128; ``dequantize=(rows, cols)`` gives it. The scales' keys are then no keys of the
+    checkpoint. Without it, loading such weights into a float state is refused (see
+    docs/formats.md).
+
+    >>> unickpt.load("hf/deepseek", {"model": model}, dequantize=True)  # doctest: +SKIP
     """
     wait_pending()
     cfg = config or get_config()
@@ -385,7 +398,7 @@ def load(
         cfg = dataclasses.replace(cfg, verify=verify)
     comm = Comm(group, cfg.collective_timeout_s)
     folder, name = split_source(path)
-    storage = resolving(folder)
+    storage = DequantizingStorage(resolving(folder), dequantize, state, keys, strict)
 
     def read_meta(where: Storage) -> Metadata:
         return read_any(where, name, allow_pickle)

@@ -9,6 +9,7 @@ from ..errors import CheckpointNotFoundError
 from ..format.metadata import Metadata
 from ..storage.base import Storage
 from ..storage.registry import open_storage
+from .dequantizing import DequantizingStorage
 from .safetensors_read import is_safetensors, read_safetensors
 
 DCP_METADATA = ".metadata"
@@ -32,7 +33,15 @@ def split_source(path: str | os.PathLike[str] | Storage) -> tuple[Storage, str |
 def read_any(storage: Storage, name: str | None, allow_pickle: bool = False) -> Metadata:
     """The metadata of what ``storage`` (or its file ``name``) holds: a committed unickpt
     checkpoint first (the same requests as before), then a safetensors model, then a DCP folder.
-    A folder holding none of them raises the not-found error of a unickpt load."""
+    A folder holding none of them raises the not-found error of a unickpt load. Through a
+    :class:`DequantizingStorage`, as that storage translates it (float8 weights in blocks)."""
+    meta = _read(storage, name, allow_pickle)
+    if isinstance(storage, DequantizingStorage):
+        return storage.translate(meta)
+    return meta
+
+
+def _read(storage: Storage, name: str | None, allow_pickle: bool) -> Metadata:
     if name is not None:
         return read_safetensors(storage, name)
     try:

@@ -21,6 +21,7 @@ from .config import Config, get_config
 from .dist import Comm
 from .encoding.saving import check_quantize
 from .engine import saver
+from .engine.bounded import Stager
 from .engine.compress import check_compress
 from .engine.futures import SaveFuture
 from .engine.hold import hold_steps
@@ -30,6 +31,7 @@ from .engine.loader import load as _load
 from .engine.references import resolving
 from .engine.staging import ARENA, snapshot, stream_marker
 from .engine.write import ItemSource
+from .errors import CheckpointError
 from .foreign.dequantizing import DequantizingStorage
 from .foreign.detect import read_any, split_source
 from .format.metadata import Metadata
@@ -141,6 +143,7 @@ def async_save(
     lock: bool = True,
     layout: LayoutMap | None = None,
     compress: bool = False,
+    staging_bytes: int | None = None,
 ) -> SaveFuture:
     """Snapshot ``state`` and return; write, fsync and commit go on in the background.
 
@@ -166,12 +169,22 @@ def async_save(
     in the background, once the checkpoint is committed (retention and replication hook in
     there). ``quantize``, ``lock`` and ``layout`` are as for :func:`save`.
 
+    ``staging_bytes`` bounds the host memory the snapshot takes (default: the config's
+    ``staging_budget_bytes``, 16 GiB). A rank whose state is larger is copied through a ring of
+    that many bytes (pinned when the state is on a GPU), each piece written before its room is
+    reused: the snapshot is done, and the call returns (with ``background_snapshot``, the next
+    optimizer step goes on), once all but about ``staging_bytes`` of the state is written.
+    Saves with ``compress``, incremental saves and budgets below two checksum segments then
+    write from the live tensors instead, and the call (the next step) waits for the whole
+    write. See docs/async.md.
+
     >>> fut = unickpt.async_save("ckpt/step-100", state)  # doctest: +SKIP
     >>> ...  # train on
     >>> fut.wait()  # doctest: +SKIP
     """
     cfg = config or get_config()
     quantized, compress = check_quantize(quantize), check_compress(compress)
+    budget = _staging_budget(staging_bytes, cfg)
     fut = SaveFuture()
     fut.path = str(path) if not isinstance(path, Storage) else path.location
     if background_snapshot:
@@ -189,6 +202,7 @@ def async_save(
             lock,
             layout,
             compress,
+            budget,
         )
     wait_pending()
     comm = Comm(group, cfg.collective_timeout_s)
@@ -196,7 +210,13 @@ def async_save(
     with applying(layout):
         prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock)
     prep.incremental, prep.compress = incremental, compress
-    if prep.nbytes > cfg.staging_budget_bytes:
+    if prep.nbytes > budget and _can_stage(prep, budget, cfg):
+        stager = Stager(prep.views, budget, ARENA, on_copied=fut.set_snapshot_done)
+        _start(fut, lambda: _finish_staged(prep, storage, stager, cfg, on_commit, fut))
+        stager.wait_copied()
+        fut.blocking_s = time.perf_counter() - fut.started_s
+        return fut
+    if prep.nbytes > budget:
         log.info(
             "state (%d bytes) exceeds the staging budget; saving in the foreground", prep.nbytes
         )
@@ -238,9 +258,11 @@ def _deferred_save(
     lock: bool = True,
     layout: LayoutMap | None = None,
     compress: bool = False,
+    budget: int | None = None,
 ) -> SaveFuture:
     """Zero-stall: capture in the call; plan, copy and write in the background, while every
     optimizer step of the process waits for the copy."""
+    budget = cfg.staging_budget_bytes if budget is None else budget
     comm = Comm(group, cfg.collective_timeout_s)  # may create a group: all ranks, this thread
     storage = storage_for(path)
     captured = capture(state)
@@ -263,7 +285,12 @@ def _deferred_save(
             if marker is not None:
                 marker.synchronize()
             check: Callable[[], None] | None
-            if prep.nbytes > cfg.staging_budget_bytes:
+            if prep.nbytes > budget and _can_stage(prep, budget, cfg):
+                finishing = True  # the write releases the lock whatever happens
+                stager = _checked_stager(prep, captured, budget, fut)
+                _finish_staged(prep, storage, stager, cfg, on_commit, fut)
+                return
+            if prep.nbytes > budget:
                 # Streamed from the live tensors: the steps wait for the whole write.
                 sources = [ItemSource(v) for v in prep.views]
                 check = _unchanged(prep, captured)
@@ -279,6 +306,62 @@ def _deferred_save(
 
     _start(fut, work)
     return fut
+
+
+def _staging_budget(staging_bytes: int | None, cfg: Config) -> int:
+    if staging_bytes is None:
+        return cfg.staging_budget_bytes
+    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int):
+        raise CheckpointError(
+            f"staging_bytes is {staging_bytes!r}; expected a number of bytes (an int) or None "
+            "for the config's staging_budget_bytes."
+        )
+    if staging_bytes < 2 * cfg.segment_bytes:
+        raise CheckpointError(
+            f"staging_bytes is {staging_bytes}; expected at least two checksum segments "
+            f"({2 * cfg.segment_bytes} bytes). A budget of a few parts (64 MiB or more) keeps "
+            "copies and writes overlapped."
+        )
+    return staging_bytes
+
+
+def _can_stage(prep: saver.PreparedSave, budget: int, cfg: Config) -> bool:
+    """Whether the save can go through a bounded ring: a plain full write (a compressed or
+    incremental one reads each tensor more than once, or out of file order) and a ring of at
+    least two checksum segments."""
+    return not prep.compress and prep.incremental is None and budget >= 2 * cfg.segment_bytes
+
+
+def _checked_stager(
+    prep: saver.PreparedSave, captured: Capture, budget: int, fut: SaveFuture
+) -> Stager:
+    """A stager whose copies check each tensor unchanged since the call (zero-stall)."""
+
+    def check(i: int) -> None:
+        captured.check(prep.items[i].key)
+
+    return Stager(prep.views, budget, ARENA, check=check, on_copied=fut.set_snapshot_done)
+
+
+def _finish_staged(
+    prep: saver.PreparedSave,
+    storage: Storage,
+    stager: Stager,
+    cfg: Config,
+    on_commit: Callable[[], None] | None,
+    fut: SaveFuture,
+) -> None:
+    """Write and commit through ``stager``; the snapshot is done whatever happens."""
+    try:
+        sources = [ItemSource(v) for v in prep.views]
+        report = saver.write_and_commit(prep, storage, sources, cfg, stager=stager)
+        if on_commit is not None:
+            on_commit()
+        fut.set_result(report)
+    except BaseException as e:  # noqa: BLE001 - handed to the caller through wait()
+        fut.set_exception(e)
+    finally:
+        stager.stop()
 
 
 def _unchanged(prep: saver.PreparedSave, captured: Capture) -> Callable[[], None]:

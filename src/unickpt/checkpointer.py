@@ -92,7 +92,9 @@ class Checkpointer:
     restarts recorded at the root), at the Young/Daly interval, never more often than that
     bound allows. :attr:`tuning` says what it measured and why it chose its interval.
     ``quantize`` (table key -> 8 or 4 bits) stores those tables quantized per row in every
-    save (see :func:`unickpt.save`).
+    save (see :func:`unickpt.save`); ``compress=True`` stores every save losslessly compressed.
+    ``staging_bytes`` bounds the host memory an asynchronous save's snapshot takes (see
+    :func:`unickpt.async_save`).
 
     >>> ckpt = unickpt.Checkpointer("runs/gpt", every="auto", max_overhead=0.01)  # doctest: +SKIP
     >>> for step in range(start, steps):  # doctest: +SKIP
@@ -118,6 +120,7 @@ class Checkpointer:
         mtbf_s: float | None = None,
         quantize: Mapping[str, int] | None = None,
         compress: bool = False,
+        staging_bytes: int | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last is {keep_last}; expected None or at least 1.")
@@ -138,6 +141,7 @@ class Checkpointer:
         self.config = config or get_config()
         self.quantize = check_quantize(quantize)
         self.compress = check_compress(compress)  # lossless, per chunk: unickpt.save's
+        self.staging_bytes = staging_bytes  # host memory of a snapshot: async_save's
         self._comm = Comm(group, self.config.collective_timeout_s)
         self._root = Root(self.storage, self._comm)
         self._pending: SaveFuture | None = None
@@ -157,6 +161,7 @@ class Checkpointer:
                 self.quantize,
                 keep_last,
                 self.compress,
+                staging_bytes,
             )
             self._tier = TierPolicy(self._root, memory, settings)
         self._basis = Basis(full_every, row_deltas) if incremental else None
@@ -254,6 +259,7 @@ class Checkpointer:
             quantize=self.quantize,
             compress=self.compress,
             lock=False,
+            staging_bytes=self.staging_bytes,
         )
         return self._pending
 

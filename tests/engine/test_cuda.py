@@ -49,3 +49,26 @@ def test_cuda_zero_stall_holds_the_values_of_the_call(tmp_path: Path) -> None:
     unickpt.load(tmp_path / "z", {"model": dest})
     for k, v in expected.items():
         assert torch.equal(dest[k], v), k
+
+
+def test_cuda_state_through_a_bounded_pinned_ring(tmp_path: Path) -> None:
+    from unickpt.engine.staging import ARENA
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    state = {
+        "w": torch.randn(2048, 2048, device="cuda", generator=g),  # 16 MiB
+        "t": torch.randn(1024, 1536, device="cuda", generator=g).t(),  # not contiguous
+        "h": torch.randn(3000, device="cuda", generator=g).half(),
+    }
+    expected = {k: v.clone() for k, v in state.items()}
+    ARENA.release()
+    for background in (False, True):
+        path = tmp_path / f"r{background}"
+        fut = unickpt.async_save(path, state, staging_bytes=4 << 20, background_snapshot=background)
+        fut.wait()
+        assert ARENA._pinned and ARENA.capacity_bytes == 4 << 20
+        dest = {k: torch.zeros_like(v) for k, v in state.items()}
+        unickpt.load(tmp_path / f"r{background}", dest)
+        for k in dest:
+            assert torch.equal(dest[k], expected[k]), (background, k)
+    ARENA.release()

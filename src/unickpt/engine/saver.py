@@ -53,6 +53,7 @@ from ..planning.flatten import Flattened, flatten_state
 from ..planning.packed import PackedPlan
 from ..planning.save_plan import GlobalPlan, LocalPlan, TensorDecl, WriteItem, build_global_plan
 from ..storage.base import Storage
+from .bounded import Stager
 from .checksum import digest
 from .commit import commit, data_name, index_name, metadata_name, read_commit
 from .incremental import IncrementalSave, Piece, relaid
@@ -235,11 +236,13 @@ def write_and_commit(
     config: Config,
     progress: Callable[[int, int], None] | None = None,
     check: Callable[[], None] | None = None,
+    stager: Stager | None = None,
 ) -> SaveReport:
     """Write this rank's file, then commit on the coordinator; raise everywhere on failure.
 
     ``check()``, when given, runs before and after this rank's file is written; an error it
-    raises fails the save on every rank and nothing is committed.
+    raises fails the save on every rank and nothing is committed. With ``stager`` (a plain
+    full save), the file's bytes are copied from ``sources`` through its bounded ring.
     """
     comm = prep.comm
     t0 = time.perf_counter()
@@ -250,7 +253,7 @@ def write_and_commit(
         if check is not None:
             check()
         if prep.items:
-            ref = _write_rank_files(prep, storage, sources, config, progress)
+            ref = _write_rank_files(prep, storage, sources, config, progress, stager)
         if check is not None:
             check()
     except Exception as e:  # noqa: BLE001 - reported to every rank
@@ -317,6 +320,7 @@ def _write_rank_files(
     sources: list[ItemSource],
     config: Config,
     progress: Callable[[int, int], None] | None,
+    stager: Stager | None = None,
 ) -> FileRef:
     """This rank's data file and its index (chunks and checksums); both durable. The index is
     written once every part is, while the data file is completed."""
@@ -361,8 +365,11 @@ def _write_rank_files(
             progress,
             alongside=write_full_index,
             compress=_compressed(prep, prep.items),
+            stager=stager,
         )
     else:
+        if stager is not None:
+            raise AssertionError("an incremental save is not staged through a bounded ring")
         _write_changed(prep, inc, storage, name, sources, config, progress, write_index)
     return written[0]
 

@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from .checksum import segment_digests
 from .compress import pack_all
 from .memcpy import copy_threads
 from .parts import Part, PartRules, plan_parts
+
+if TYPE_CHECKING:
+    from .bounded import Stager
 
 _ZEROS = memoryview(bytes(4096))
 
@@ -80,6 +84,7 @@ def write_file(
     known: Sequence[tuple[str, ...]] | None = None,
     alongside: Callable[[WriteResult], None] | None = None,
     compress: bool | Sequence[bool] = False,
+    stager: Stager | None = None,
 ) -> WriteResult:
     """Write ``items`` from ``sources`` into ``name``; durable on return.
 
@@ -90,12 +95,22 @@ def write_file(
     completion of the upload); when either fails the file is aborted and the error raised.
     With ``compress`` (True, or one flag per item), items are compressed first and laid out
     anew (``known`` is not used: the checksums cover the stored bytes); the result's
-    ``placed`` says where each lies.
+    ``placed`` says where each lies. With ``stager``, the parts' bytes come from it (copied
+    from the sources through its bounded ring, see :mod:`.bounded`), not from the sources.
     """
     flags = [compress] * len(items) if isinstance(compress, bool) else list(compress)
     if any(flags):
+        if stager is not None:
+            raise AssertionError("a staged write is not compressed")
         return _write_compressed(storage, name, items, sources, config, progress, alongside, flags)
-    return _write_items(storage, name, items, sources, config, progress, known, alongside)
+    if stager is None:
+        return _write_items(storage, name, items, sources, config, progress, known, alongside)
+    try:
+        return _write_items(
+            storage, name, items, sources, config, progress, known, alongside, stager=stager
+        )
+    finally:
+        stager.stop()
 
 
 def _write_compressed(
@@ -144,25 +159,35 @@ def _write_items(
     known: Sequence[tuple[str, ...]] | None,
     alongside: Callable[[WriteResult], None] | None,
     hashing: bool = True,
+    stager: Stager | None = None,
 ) -> WriteResult:
     """:func:`write_file` of items as they are stored; ``hashing=False``: no checksums."""
+    target, small = config.window_bytes, config.small_chunk_bytes
+    if stager is not None:  # parts a few of which fit in the ring: chunks above one are cut
+        target = stager.part_bytes(target, config.segment_bytes)
+        small = min(small, target)
     rules = PartRules(
-        target_bytes=config.window_bytes,
+        target_bytes=target,
         segment_bytes=config.segment_bytes,
-        small_bytes=config.small_chunk_bytes,
+        small_bytes=small,
         min_bytes=storage.min_part_bytes,
         max_parts=storage.max_parts,
         max_bytes=storage.max_part_bytes,
     )
     extents = [(i.byte_offset, i.nbytes) for i in items]
-    parts = plan_parts(extents, [s.direct for s in sources], rules)
+    splittable = [True] * len(items) if stager else [s.direct for s in sources]
+    parts = plan_parts(extents, splittable, rules)
     total = sum(p.nbytes for p in parts)
     handle = storage.create(name, [p.nbytes for p in parts])
+    if stager is not None:
+        stager.start(parts)
     digests: dict[tuple[int, int], list[str]] = {}
     pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-write")
     try:
         futures = [
-            pool.submit(_write_part, handle, part, sources, config.segment_bytes, known, hashing)
+            pool.submit(
+                _write_part, handle, part, sources, config.segment_bytes, known, hashing, stager
+            )
             for part in parts
         ]
         done = 0
@@ -176,6 +201,8 @@ def _write_items(
         result = WriteResult(sums, total)
         _complete(handle, result, alongside)
     except BaseException:
+        if stager is not None:
+            stager.stop()  # parts waiting for their bytes return before the pool is joined
         handle.abort()
         raise
     finally:
@@ -221,18 +248,25 @@ def _write_part(
     segment: int,
     known: Sequence[tuple[str, ...]] | None = None,
     hashing: bool = True,
+    stager: Stager | None = None,
 ) -> dict[tuple[int, int], list[str]]:
     """Hash the part's chunk pieces (unless ``known``, or not ``hashing``) and write it from
-    views of its sources."""
+    views of its sources (or of the bytes ``stager`` staged for it)."""
+    staged = stager.buffers(part) if stager is not None else None
     out: dict[tuple[int, int], list[str]] = {}
     buffers: list[memoryview] = []
-    for span in part.spans:
+    for n, span in enumerate(part.spans):
         if span.item is None:
             buffers += _zeros(span.nbytes)
             continue
-        source = sources[span.item]
-        whole = span.start == 0 and span.nbytes == source.view.numel() * source.view.element_size()
-        mv = buffer_of(source.byte_range(span.start, span.nbytes, whole))
+        if staged is not None:
+            mv = staged[n]
+            assert mv is not None
+        else:
+            source = sources[span.item]
+            size = source.view.numel() * source.view.element_size()
+            whole = span.start == 0 and span.nbytes == size
+            mv = buffer_of(source.byte_range(span.start, span.nbytes, whole))
         if not hashing:
             pass
         elif known is None:
@@ -244,6 +278,8 @@ def _write_part(
             )
         buffers.append(mv)
     handle.write_part(part.index, buffers)
+    if stager is not None:
+        stager.release(part)
     return out
 
 

@@ -79,6 +79,7 @@ class SaveSettings:
     quantize: dict[str, int] | None
     keep_last: int | None
     compress: bool = False
+    staging_bytes: int | None = None
 
 
 class _Persist:
@@ -199,6 +200,7 @@ class TierPolicy:
             quantize=s.quantize,
             compress=s.compress,
             lock=False,
+            staging_bytes=s.staging_bytes,
         )
         return self.pending
 

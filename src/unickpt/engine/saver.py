@@ -59,6 +59,7 @@ from .commit import commit, data_name, index_name, metadata_name, read_commit
 from .incremental import IncrementalSave, Piece, relaid
 from .references import dependents
 from .replicas import reduce_replicas, replica_specs
+from .timeline import Timeline
 from .write import ItemSource, WriteResult, write_file
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,8 @@ class PreparedSave:
     encoding_errors: dict[str, ErrorSums] = field(default_factory=dict)
     compress: bool = False
     """Store chunks compressed (:mod:`unickpt.engine.compress`; format version 3)."""
+    plan_s: float = 0.0
+    """Seconds :func:`prepare` took (flattening, encoding, agreeing on the plan)."""
 
     @property
     def nbytes(self) -> int:
@@ -121,6 +124,7 @@ def prepare(
     :mod:`unickpt.encoding.rowwise`). ``lock=False``: the caller holds a lock that covers
     ``storage`` (a Checkpointer holds its root's), so the save takes none of its own.
     """
+    t0 = time.perf_counter()
     held: list[Callable[[], None]] = []
     encoded: dict[str, EncodedTable] = {}
 
@@ -176,6 +180,7 @@ def prepare(
         release,
         encoded=encoded,
         encoding_errors=written_errors(items, encoded),
+        plan_s=time.perf_counter() - t0,
     )
 
 
@@ -227,6 +232,12 @@ class SaveReport:
     plan_cached: bool
     encoding_errors: dict[str, EncodingError] = field(default_factory=dict)
     """For each quantized table, what quantization changed in its values."""
+    timeline: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase on this rank (:data:`unickpt.engine.timeline.PHASES`): ``plan``;
+    summed over the writer threads ``compress``, ``hash`` and ``write`` (into the storage);
+    ``file`` (the data file's parts, wall), ``complete`` (its fsync and rename, with the
+    index written meanwhile), ``gather`` (waiting for every rank) and ``commit`` (metadata and
+    marker, on the coordinator)."""
 
 
 def write_and_commit(
@@ -246,6 +257,8 @@ def write_and_commit(
     """
     comm = prep.comm
     t0 = time.perf_counter()
+    timeline = Timeline()
+    timeline.add("plan", prep.plan_s)
     ref: FileRef | None = None
     failure: RankFailure | None = None
     caught: BaseException | None = None
@@ -253,7 +266,7 @@ def write_and_commit(
         if check is not None:
             check()
         if prep.items:
-            ref = _write_rank_files(prep, storage, sources, config, progress, stager)
+            ref = _write_rank_files(prep, storage, sources, config, progress, stager, timeline)
         if check is not None:
             check()
     except Exception as e:  # noqa: BLE001 - reported to every rank
@@ -265,15 +278,17 @@ def write_and_commit(
     errors: dict[str, EncodingError] = {}
     clean = True  # this save's files may go: it did not commit
     try:
-        gathered = comm.gather(payload)
+        with timeline.timed("gather"):
+            gathered = comm.gather(payload)
         if comm.is_coordinator:
             assert gathered is not None
             outcome = [g[0] for g in gathered]
             if not any(outcome):
                 try:
                     errors = merge_errors([g[5] for g in gathered])
-                    meta = _metadata(prep, gathered, config, errors)
-                    commit(storage, meta, prep.save_id)
+                    with timeline.timed("commit"):
+                        meta = _metadata(prep, gathered, config, errors)
+                        commit(storage, meta, prep.save_id)
                 except Exception as e:  # noqa: BLE001 - reported to every rank
                     outcome = [failure_of(comm.rank, e)]
                     caught = e
@@ -289,7 +304,7 @@ def write_and_commit(
         prep.incremental.adopt()
     total = ref.nbytes if ref else 0
     commit_s = time.perf_counter() - t0 - write_s
-    return SaveReport(total, write_s, commit_s, prep.plan_cached, errors)
+    return SaveReport(total, write_s, commit_s, prep.plan_cached, errors, timeline.seconds())
 
 
 def _proven_uncommitted(storage: Storage, save_id: str) -> bool:
@@ -321,6 +336,7 @@ def _write_rank_files(
     config: Config,
     progress: Callable[[int, int], None] | None,
     stager: Stager | None = None,
+    timeline: Timeline | None = None,
 ) -> FileRef:
     """This rank's data file and its index (chunks and checksums); both durable. The index is
     written once every part is, while the data file is completed."""
@@ -366,11 +382,12 @@ def _write_rank_files(
             alongside=write_full_index,
             compress=_compressed(prep, prep.items),
             stager=stager,
+            timeline=timeline,
         )
     else:
         if stager is not None:
             raise AssertionError("an incremental save is not staged through a bounded ring")
-        _write_changed(prep, inc, storage, name, sources, config, progress, write_index)
+        _write_changed(prep, inc, storage, name, sources, config, progress, write_index, timeline)
     return written[0]
 
 
@@ -383,6 +400,7 @@ def _write_changed(
     config: Config,
     progress: Callable[[int, int], None] | None,
     write_index: Callable[..., None],
+    timeline: Timeline | None = None,
 ) -> None:
     """Hash every item, write the changed pieces back to back, refer to the others; the index
     is written with ``write_index`` while the data file is completed."""
@@ -436,6 +454,7 @@ def _write_changed(
         compress=_compressed(
             prep, [it for it, ps in zip(prep.items, pieces) for p in ps if p.stored is None]
         ),
+        timeline=timeline,
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
@@ -30,6 +31,7 @@ from .checksum import segment_digests
 from .compress import pack_all
 from .memcpy import copy_threads
 from .parts import Part, PartRules, plan_parts
+from .timeline import Timeline, timed
 
 if TYPE_CHECKING:
     from .bounded import Stager
@@ -85,6 +87,7 @@ def write_file(
     alongside: Callable[[WriteResult], None] | None = None,
     compress: bool | Sequence[bool] = False,
     stager: Stager | None = None,
+    timeline: Timeline | None = None,
 ) -> WriteResult:
     """Write ``items`` from ``sources`` into ``name``; durable on return.
 
@@ -97,20 +100,32 @@ def write_file(
     anew (``known`` is not used: the checksums cover the stored bytes); the result's
     ``placed`` says where each lies. With ``stager``, the parts' bytes come from it (copied
     from the sources through its bounded ring, see :mod:`.bounded`), not from the sources.
+    ``timeline``, when given, gets the seconds of each phase (see :mod:`.timeline`).
     """
     flags = [compress] * len(items) if isinstance(compress, bool) else list(compress)
     if any(flags):
         if stager is not None:
             raise AssertionError("a staged write is not compressed")
-        return _write_compressed(storage, name, items, sources, config, progress, alongside, flags)
-    if stager is None:
-        return _write_items(storage, name, items, sources, config, progress, known, alongside)
+        return _write_compressed(
+            storage, name, items, sources, config, progress, alongside, flags, timeline
+        )
     try:
         return _write_items(
-            storage, name, items, sources, config, progress, known, alongside, stager=stager
+            storage,
+            name,
+            items,
+            sources,
+            config,
+            progress,
+            known,
+            alongside,
+            True,
+            stager,
+            timeline,
         )
     finally:
-        stager.stop()
+        if stager is not None:
+            stager.stop()
 
 
 def _write_compressed(
@@ -122,15 +137,17 @@ def _write_compressed(
     progress: Callable[[int, int], None] | None,
     alongside: Callable[[WriteResult], None] | None,
     flags: Sequence[bool],
+    timeline: Timeline | None = None,
 ) -> WriteResult:
     """Compress every item whose flag is set on the writer threads, lay the stored chunks out
     back to back and write them (hashed already: the checksums cover the stored bytes)."""
     raws = [s.contiguous_bytes().reshape(-1).numpy() for s in sources]
     widths = [s.view.element_size() if f else 0 for s, f in zip(sources, flags)]
     cores = len(os.sched_getaffinity(0))  # compressing is bound by the cores, not the I/O
-    packed = pack_all(
-        raws, widths, config.segment_bytes, copy_threads(max(cores, config.io_threads))
-    )
+    with timed(timeline, "compress"):
+        packed = pack_all(
+            raws, widths, config.segment_bytes, copy_threads(max(cores, config.io_threads))
+        )
     laid, offset = [], 0
     for it, p in zip(items, packed):
         offset = -(-offset // CHUNK_ALIGN) * CHUNK_ALIGN
@@ -145,7 +162,9 @@ def _write_compressed(
         if alongside is not None:
             alongside(replace(found, nbytes=result.nbytes))
 
-    written = _write_items(storage, name, laid, stored, config, progress, None, side, False)
+    written = _write_items(
+        storage, name, laid, stored, config, progress, None, side, False, timeline=timeline
+    )
     return replace(found, nbytes=written.nbytes)
 
 
@@ -160,8 +179,10 @@ def _write_items(
     alongside: Callable[[WriteResult], None] | None,
     hashing: bool = True,
     stager: Stager | None = None,
+    timeline: Timeline | None = None,
 ) -> WriteResult:
     """:func:`write_file` of items as they are stored; ``hashing=False``: no checksums."""
+    t0 = time.perf_counter()
     target, small = config.window_bytes, config.small_chunk_bytes
     if stager is not None:  # parts a few of which fit in the ring: chunks above one are cut
         target = stager.part_bytes(target, config.segment_bytes)
@@ -186,7 +207,15 @@ def _write_items(
     try:
         futures = [
             pool.submit(
-                _write_part, handle, part, sources, config.segment_bytes, known, hashing, stager
+                _write_part,
+                handle,
+                part,
+                sources,
+                config.segment_bytes,
+                known,
+                hashing,
+                stager,
+                timeline,
             )
             for part in parts
         ]
@@ -199,7 +228,10 @@ def _write_items(
         pool.shutdown()
         sums = _ordered(digests, items, config.segment_bytes) if hashing else ()
         result = WriteResult(sums, total)
-        _complete(handle, result, alongside)
+        if timeline is not None:
+            timeline.add("file", time.perf_counter() - t0)
+        with timed(timeline, "complete"):
+            _complete(handle, result, alongside)
     except BaseException:
         if stager is not None:
             stager.stop()  # parts waiting for their bytes return before the pool is joined
@@ -249,6 +281,7 @@ def _write_part(
     known: Sequence[tuple[str, ...]] | None = None,
     hashing: bool = True,
     stager: Stager | None = None,
+    timeline: Timeline | None = None,
 ) -> dict[tuple[int, int], list[str]]:
     """Hash the part's chunk pieces (unless ``known``, or not ``hashing``) and write it from
     views of its sources (or of the bytes ``stager`` staged for it)."""
@@ -270,14 +303,16 @@ def _write_part(
         if not hashing:
             pass
         elif known is None:
-            out[(span.item, span.start)] = segment_digests(mv, segment)
+            with timed(timeline, "hash"):
+                out[(span.item, span.start)] = segment_digests(mv, segment)
         else:
             first = span.start // segment
             out[(span.item, span.start)] = list(
                 known[span.item][first : first + _count(mv, segment)]
             )
         buffers.append(mv)
-    handle.write_part(part.index, buffers)
+    with timed(timeline, "write"):
+        handle.write_part(part.index, buffers)
     if stager is not None:
         stager.release(part)
     return out

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -62,6 +64,35 @@ def make_folder(path: Path) -> None:
                 raise
             continue
         fsync_dir(folder.parent)
+
+
+EARLY_WRITEBACK = False
+"""Whether each part of a data file is handed to the disk as soon as it is in the page cache
+(``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait), so the final ``fsync`` finds
+little left to write. Off: measured no faster end to end (benchmarks/save_timeline.py, see
+docs/benchmarks.md), the writes themselves slowing down by what the ``fsync`` saved."""
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+@functools.cache
+def _sync_file_range() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``[offset, offset + nbytes)`` of ``fd`` to the disk,
+    without waiting (Linux; elsewhere, or where the file system refuses, nothing happens: the
+    final ``fsync`` writes everything anyway)."""
+    fn = _sync_file_range() if EARLY_WRITEBACK and nbytes > 0 else None
+    if fn is not None:
+        fn(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def pwritev_all(fd: int, buffers: Sequence[memoryview], offset: int) -> None:
@@ -140,6 +171,7 @@ class LocalWriteHandle(WriteHandle):
             pwritev_all(self._fd, buffers, self.offsets[index])
         except OSError as e:
             raise _os_error(e, f"writing {self._path}") from e
+        start_writeback(self._fd, self.offsets[index], sum(b.nbytes for b in buffers))
 
     def _complete(self) -> None:
         try:

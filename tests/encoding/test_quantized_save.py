@@ -177,6 +177,10 @@ def test_checkpointer_option_and_bad_requests(tmp_path: Path) -> None:
         model.emb.weight[3, 1] = float("nan")
     with pytest.raises(unickpt.CheckpointError, match="holds non-finite values in rows 0 to 30"):
         unickpt.save(tmp_path / "c", {"model": model}, quantize={"model.emb.weight": 8})
+    fp8 = {"t": torch.randn(10, 4).to(torch.float8_e4m3fn)}
+    with pytest.raises(unickpt.CheckpointError, match=r"'t', a table of torch.float8_e4m3fn"):
+        unickpt.save(tmp_path / "d", fp8, quantize={"t": 4})
+    assert not (tmp_path / "d").exists()
 
 
 def _table(rows: int = 100, dim: int = 10) -> torch.Tensor:

@@ -58,6 +58,12 @@ def _encode_leaf(flat: Flattened, key: str, bits: int) -> EncodedTable:
             f"quantize names '{key}', which is not a 2-D floating tensor of the state; "
             f"the state's are: {shown or 'none'}. Name a table by its key."
         )
+    if leaf.dtype.itemsize <= 1:
+        raise CheckpointError(
+            f"quantize names '{key}', a table of {leaf.dtype} (one byte per value), which is "
+            "already as small as 8-bit codes and whose values per-row codes cannot be computed "
+            "on; leave it out of quantize."
+        )
     rows, columns = leaf.shape
     width = stored_width(columns, bits)
     pieces: list[tuple[Box, torch.Tensor]] = []

@@ -20,6 +20,7 @@ refused with an error that names the option, before anything is read.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import warnings
@@ -175,9 +176,10 @@ class DequantizingStorage(Storage):
         warnings.warn(message + " (strict=False: they keep their current values).", stacklevel=2)
 
     def _placed(self, name: str, offset: int, nbytes: int) -> _Placed:
-        for placed in self._twins[name]:
-            if placed.start <= offset and offset + nbytes <= placed.start + placed.weight.nbytes:
-                return placed
+        placed = self._twins[name]
+        i = bisect.bisect_right(placed, offset, key=lambda p: p.start) - 1
+        if i >= 0 and offset + nbytes <= placed[i].start + placed[i].weight.nbytes:
+            return placed[i]
         raise CheckpointError(  # the reader reads within one chunk at a time
             f"bytes [{offset}, {offset + nbytes}) of {name} are not within one dequantized "
             "weight; this is a bug in unickpt."

@@ -31,6 +31,7 @@ from .errors import (
     CheckpointNotFoundError,
 )
 from .format.metadata import Metadata
+from .layouts.rules import LayoutMap
 from .root import Root, RootIdentity
 from .root.names import committed_steps, open_checkpoint, step_folders, step_name
 from .storage.base import Storage
@@ -94,7 +95,8 @@ class Checkpointer:
     ``quantize`` (table key -> 8 or 4 bits) stores those tables quantized per row in every
     save (see :func:`unickpt.save`); ``compress=True`` stores every save losslessly compressed.
     ``staging_bytes`` bounds the host memory an asynchronous save's snapshot takes (see
-    :func:`unickpt.async_save`).
+    :func:`unickpt.async_save`). ``layout`` (patterns of keys -> wrappers: fused, padded and
+    replicated tensors, see docs/layouts.md) applies to every save and load.
 
     >>> ckpt = unickpt.Checkpointer("runs/gpt", every="auto", max_overhead=0.01)  # doctest: +SKIP
     >>> for step in range(start, steps):  # doctest: +SKIP
@@ -121,6 +123,7 @@ class Checkpointer:
         quantize: Mapping[str, int] | None = None,
         compress: bool = False,
         staging_bytes: int | None = None,
+        layout: LayoutMap | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last is {keep_last}; expected None or at least 1.")
@@ -142,6 +145,7 @@ class Checkpointer:
         self.quantize = check_quantize(quantize)
         self.compress = check_compress(compress)  # lossless, per chunk: unickpt.save's
         self.staging_bytes = staging_bytes  # host memory of a snapshot: async_save's
+        self.layout = layout  # fused, padded, replicated tensors: save's and load's
         self._comm = Comm(group, self.config.collective_timeout_s)
         self._root = Root(self.storage, self._comm)
         self._pending: SaveFuture | None = None
@@ -162,6 +166,7 @@ class Checkpointer:
                 keep_last,
                 self.compress,
                 staging_bytes,
+                layout,
             )
             self._tier = TierPolicy(self._root, memory, settings)
         self._basis = Basis(full_every, row_deltas) if incremental else None
@@ -244,6 +249,7 @@ class Checkpointer:
                 quantize=self.quantize,
                 compress=self.compress,
                 lock=False,
+                layout=self.layout,
             )
             self._retain(step)
             return SaveFuture.completed(report)
@@ -260,6 +266,7 @@ class Checkpointer:
             compress=self.compress,
             lock=False,
             staging_bytes=self.staging_bytes,
+            layout=self.layout,
         )
         return self._pending
 
@@ -371,6 +378,7 @@ class Checkpointer:
                     group=self.group,
                     strict=strict,
                     config=self.config,
+                    layout=self.layout,
                 )
             except CheckpointError as e:
                 if not self._fall_back(step, e):

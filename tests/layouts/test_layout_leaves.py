@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import unickpt
+from unickpt.checkpointer import open_checkpoint
 from unickpt.planning.flatten import flatten_state
 
 
@@ -159,3 +160,21 @@ def test_replicated_tensor_tied_to_an_earlier_key_is_saved_once(tmp_path: Path) 
     back = {"a": torch.zeros(4), "b": torch.zeros(4)}
     unickpt.load(tmp_path / "c", back)
     assert torch.equal(back["a"], t) and torch.equal(back["b"], t)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_checkpointer_saves_and_resumes_with_its_layout_map(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """Checkpointer(layout=...): every save stores the pieces, load_latest fills the fused
+    tensor back through the same map, and an unfused state loads the pieces by name."""
+    layout = {"*.fc1": unickpt.fused_glu(0, 1)}
+    fc1 = torch.randn(8, 3)
+    with unickpt.Checkpointer(tmp_path / "run", layout=layout, async_save=async_save) as ckpt:
+        ckpt.save(1, {"m": {"fc1": fc1}}).wait()
+        back = {"m": {"fc1": torch.zeros(8, 3)}}
+        assert ckpt.load_latest(back) == 1
+    assert torch.equal(back["m"]["fc1"], fc1)
+    gate, up = torch.zeros(4, 3), torch.zeros(4, 3)
+    unickpt.load(open_checkpoint(tmp_path / "run", 1), {"m": {"fc1.gate": gate, "fc1.up": up}})
+    assert torch.equal(gate, fc1[:4]) and torch.equal(up, fc1[4:])

@@ -28,6 +28,7 @@ from .. import api
 from ..config import Config
 from ..engine.futures import SaveFuture
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from ..layouts.rules import LayoutMap
 from ..root import Root, RootIdentity
 from ..storage.base import Storage
 from .group import TierGroup
@@ -80,6 +81,7 @@ class SaveSettings:
     keep_last: int | None
     compress: bool = False
     staging_bytes: int | None = None
+    layout: LayoutMap | None = None
 
 
 class _Persist:
@@ -185,6 +187,7 @@ class TierPolicy:
                 quantize=s.quantize,
                 compress=s.compress,
                 lock=False,
+                layout=s.layout,
             )
             committed()
             self.pending = SaveFuture.completed(report)
@@ -201,6 +204,7 @@ class TierPolicy:
             compress=s.compress,
             lock=False,
             staging_bytes=s.staging_bytes,
+            layout=s.layout,
         )
         return self.pending
 
@@ -292,6 +296,7 @@ class TierPolicy:
                         group=self.settings.group,
                         strict=strict,
                         config=self.settings.config,
+                        layout=self.settings.layout,
                     )
                 finally:
                     fetching.finish()  # the transfers' failure first, else the load's

@@ -130,6 +130,7 @@ def test_fp8_weights_load_dequantized_into_the_states_dtype(
     assert report.bytes_read == sum(t.numel() * t.element_size() for t in state.values())
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_values_equal_those_of_dcps_quantized_reader(tmp_path: Path) -> None:
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.quantized_hf_storage import (

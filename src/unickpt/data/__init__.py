@@ -7,10 +7,23 @@
   its per-rank state (a cursor per file and the carried tokens) is a :class:`unickpt.PerRank`
   value that :func:`redistribute` spreads over the ranks of a resumed job of another size.
 
+- :func:`reshardable`: torchdata's ``StatefulDataLoader`` (over a ``DistributedSampler``, a
+  :class:`ReshardableSampler` or an iterable dataset whose state reshards) made resumable on any
+  world size: exactly where it stopped at the saved one, the rest of the epoch split anew at
+  another.
+
 See docs/data.md.
 """
 
+from .loader import ReshardableLoader, reshardable
 from .sampler import ReshardableSampler
 from .stream import Cursor, ShardedStream, redistribute
 
-__all__ = ["Cursor", "ReshardableSampler", "ShardedStream", "redistribute"]
+__all__ = [
+    "Cursor",
+    "ReshardableLoader",
+    "ReshardableSampler",
+    "ShardedStream",
+    "redistribute",
+    "reshardable",
+]

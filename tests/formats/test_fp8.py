@@ -6,6 +6,7 @@ import json
 import math
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from unickpt.errors import CheckpointError, CheckpointMismatchError
 from unickpt.storage.local import LocalStorage
 
 from ..distributed import run_ranks
+from ..storage.s3_server import moto_server, new_bucket, raw_client
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 SHAPES = {
@@ -258,3 +260,23 @@ def test_the_option_is_checked_and_only_for_safetensors(tmp_path: Path) -> None:
         CheckpointMismatchError, match=r"holds a unickpt checkpoint; dequantize reads the float8"
     ):
         unickpt.load(tmp_path / "ckpt", {"w": torch.zeros(3)}, dequantize=True)
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    pytest.importorskip("boto3")
+    pytest.importorskip("moto.server")
+    with moto_server() as url:
+        yield url
+
+
+def test_a_model_on_s3_loads_dequantized_by_ranged_reads(endpoint: str, tmp_path: Path) -> None:
+    stored = write_model(tmp_path / "hf")
+    bucket = new_bucket(endpoint)
+    client = raw_client(endpoint)
+    for f in (tmp_path / "hf").iterdir():
+        client.put_object(Bucket=bucket, Key=f"hf/{f.name}", Body=f.read_bytes())
+    state = empty_state(torch.bfloat16)
+    unickpt.load(f"s3://{bucket}/hf", state, dequantize=True)
+    for k, v in expected(stored, torch.bfloat16).items():
+        assert_bitwise(state[k], v, k)

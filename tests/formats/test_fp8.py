@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 import unickpt
 from unickpt.errors import CheckpointError, CheckpointMismatchError
+from unickpt.foreign.fp8_blocks import BlockScaled, Stored
 from unickpt.storage.local import LocalStorage
 
 from ..distributed import run_ranks
@@ -224,6 +225,27 @@ def test_a_row_block_reads_only_its_rows_and_their_scales(tmp_path: Path) -> Non
             (scales_file, scales_at + 1 * 2 * 4, 2 * 2 * 4),
         ]
     )
+
+
+def test_any_byte_range_of_a_weight_is_its_dequantized_bytes(tmp_path: Path) -> None:
+    stored = write_model(tmp_path / "hf")
+    key = "model.layers.0.mlp.down_proj.weight"
+    want = expected(stored, torch.bfloat16)[key].reshape(-1).view(torch.uint8)
+    weight = BlockScaled(
+        key,
+        (300, 200),
+        (128, 128),
+        torch.float8_e4m3fn,
+        Stored(*byte_ranges(tmp_path / "hf", key)),
+        Stored(*byte_ranges(tmp_path / "hf", key + "_scale_inv")),
+        torch.bfloat16,
+    )
+    storage = LocalStorage(tmp_path / "hf")
+    # whole, one row, across block rows, odd starts and ends (half values), the last byte
+    for start, stop in [(0, 120000), (400, 800), (51150, 51251), (25599, 77001), (119999, 120000)]:
+        out = bytearray(stop - start)
+        weight.fill(storage, start, memoryview(out))
+        assert bytes(out) == want[start:stop].numpy().tobytes(), (start, stop)
 
 
 def load_split(rank: int, world: int, folder: str, dim: int) -> dict[str, torch.Tensor]:

@@ -196,7 +196,7 @@ def load_trained(rank: int, world: int, path: str, tp: int, pp: int) -> dict[str
         _, optimizer = build_optimizer(model)
         msd = model.sharded_state_dict()
         osd = optimizer.sharded_state_dict(msd, is_loading=True)
-        state = um.load({"model": msd, "optimizer": osd}, path)
+        state = um.load({"model": msd, "optimizer": osd}, path, allow_pickle=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         return {"params": params(model), "adam": adam_state(model, optimizer)}
@@ -253,3 +253,126 @@ def load_hand(rank: int, world: int, path: str) -> dict[str, Any]:
         "rng_t": loaded["rng"]["t"].numpy().copy(),
         "iteration": loaded["iteration"],
     }
+
+
+def _cuda_param_types() -> Any:
+    """``Parameter.type()`` as Megatron's DistributedOptimizer checks it (``torch.cuda.*``)."""
+    real = torch.nn.Parameter.type
+
+    def cuda_type(self: Any, *args: Any, **kwargs: Any) -> Any:
+        name = real(self, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
+
+    return real, cuda_type
+
+
+def build_dist_optimizer(model: Any) -> Any:
+    """Megatron's DistributedOptimizer (Adam) over the model in Megatron's DDP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    config = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True)
+    real_tensor, torch.tensor = torch.tensor, _cpu_tensors()  # type: ignore[assignment]
+    real_type, torch.nn.Parameter.type = _cuda_param_types()  # type: ignore[method-assign]
+    try:
+        return ddp, get_megatron_optimizer(config, [ddp])
+    finally:
+        torch.tensor = real_tensor  # type: ignore[assignment]
+        torch.nn.Parameter.type = real_type  # type: ignore[method-assign]
+
+
+def keep_adam_step() -> None:
+    """With torch's Adam (no Transformer Engine or Apex) each parameter's state holds a
+    ``step``, which Megatron's ``fully_reshardable`` load looks up among the loaded tensors
+    (saved without it): the step the optimizer holds is kept, as the other loads do."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    real = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main = self.optimizer.param_groups[group_index]["params"][group_order]
+        step = self.optimizer.state[main].get("step")
+        real(self, model_param, tensors if step is None else {"step": step, **tensors})
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states  # type: ignore[method-assign]
+
+
+def dist_train_step(ddp: Any, optimizer: Any) -> None:
+    """One step: gradients reduce-scattered over data parallelism, each rank's Adam steps its
+    range, the parameters all-gathered."""
+    tokens = torch.arange(2 * SEQ).view(2, SEQ) * 5 % VOCAB
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
+    ddp.train()
+    ddp(tokens, torch.arange(SEQ).expand(2, SEQ), mask).float().square().mean().backward()
+    ddp.finish_grad_sync()
+    for inner in optimizer.chained_optimizers:
+        inner.prepare_grads()
+        inner.step_with_ready_grads()
+
+
+_DIST_STATES = (("param", "fp32_param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+
+
+def dist_adam_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """``{param name}.{fp32_param|exp_avg|exp_avg_sq}`` -> (start of this rank's range in the
+    flattened parameter, the parameter's shape, a copy of the range's values)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for inner in optimizer.chained_optimizers:
+        for param in inner.model_param_group_index_map:
+            start = inner._get_model_param_range_map(param)["param"].start
+            tensors = inner._get_main_param_and_optimizer_states(param)
+            for k, name in (
+                ("param", "fp32_param"),
+                ("exp_avg", "exp_avg"),
+                ("exp_avg_sq", "exp_avg_sq"),
+            ):
+                values = tensors[k].detach().numpy().copy()
+                out[f"{names[id(param)]}.{name}"] = (start, tuple(param.shape), values)
+    return out
+
+
+def _dist_metadata(sharding_type: str) -> dict[str, Any]:
+    # fully_reshardable gathers over data parallelism: through gloo (to DP rank 0) on CPU
+    return {
+        "distrib_optim_sharding_type": sharding_type,
+        "distrib_optim_fully_reshardable_mem_efficient": True,
+    }
+
+
+def _dist_step(step: tuple[str, str, int, str]) -> dict[str, Any]:
+    """Save (a model trained one step) or load (into a model of another seed) model and
+    distributed optimizer at TP ``tp``, the rest of the world data parallel."""
+    from unickpt.integrations import megatron as um
+
+    what, path, tp, sharding_type = step
+    init_parallel(tp, 1)
+    try:
+        model = build_model(tp, 1, seed=1 if what == "save" else 2)
+        ddp, optimizer = build_dist_optimizer(model)
+        msd = model.sharded_state_dict()
+        if what == "save":
+            dist_train_step(ddp, optimizer)
+            osd = optimizer.sharded_state_dict(msd, metadata=_dist_metadata(sharding_type))
+            um.save({"model": msd, "optimizer": osd}, path, allow_pickle=True)
+        else:
+            keep_adam_step()
+            for inner in optimizer.chained_optimizers:  # Adam's state, as Megatron-LM's load
+                inner._init_optimizer_states_with_dummy_values()
+            meta = _dist_metadata(sharding_type)
+            osd = optimizer.sharded_state_dict(msd, is_loading=True, metadata=meta)
+            state = um.load({"model": msd, "optimizer": osd}, path, allow_pickle=True)
+            model.load_state_dict(state["model"])
+            with torch.no_grad():  # fp32 main params are views of the parameters
+                optimizer.load_state_dict(state["optimizer"])
+        return dist_adam_state(model, optimizer)
+    finally:
+        destroy_parallel()
+
+
+def dist_steps(rank: int, world: int, steps: list[tuple[str, str, int, str]]) -> list[Any]:
+    """``_dist_step`` for each of ``steps`` (what, path, tp, sharding type), in order."""
+    return [_dist_step(step) for step in steps]

@@ -31,7 +31,7 @@ def _unsharded(name: str, arrays: list[Any]) -> list[torch.Tensor]:
     """A TP=1 tensor (a parameter, or its Adam state) from its TP shards, the way Megatron
     splits it; for a replicated one, each rank's copy (one of them is saved)."""
     parts = [torch.from_numpy(a) for a in arrays]
-    param = name.removesuffix(".exp_avg").removesuffix(".exp_avg_sq")
+    param = name.removesuffix(".exp_avg").removesuffix(".exp_avg_sq").removesuffix(".fp32_param")
     if not any(s in param for s in SPLIT):
         return parts  # layer norms, row-parallel biases, position embeddings
     if param.endswith(ROW_PARALLEL):
@@ -129,3 +129,121 @@ def test_dp2_checkpoint_writes_one_copy_and_loads_at_tp2(tmp_path: Path) -> None
     assert gathered.keys() == saved.keys()
     for name, copies in gathered.items():
         assert all(torch.equal(c, saved[name][0]) for c in copies), name
+
+
+def _whole(ranks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Each parameter's DistributedOptimizer state, whole, from the ranges data-parallel ranks
+    own (``megatron_job.dist_adam_state``); the ranges must tile it."""
+    parts: dict[str, dict[int, Any]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for state in ranks:
+        for name, (start, shape, values) in state.items():
+            parts.setdefault(name, {})[start] = torch.from_numpy(values)
+            shapes[name] = shape
+    whole = {}
+    for name, ranges in parts.items():
+        flat = torch.cat([ranges[s] for s in sorted(ranges)])
+        whole[name] = flat.view(shapes[name])  # fails unless the ranges cover the parameter
+    return whole
+
+
+def _assert_equal(loaded: dict[str, torch.Tensor], saved: dict[str, list[torch.Tensor]]) -> None:
+    assert loaded.keys() == saved.keys()
+    for name, copies in saved.items():
+        assert any(torch.equal(loaded[name], c) for c in copies), name
+
+
+def _bucket_chunks(path: str) -> dict[str, int]:
+    """The chunks stored for each DistributedOptimizer bucket tensor."""
+    from unickpt.engine.commit import read_checkpoint
+    from unickpt.storage.registry import open_storage
+
+    tensors = read_checkpoint(open_storage(path))[1].tensors
+    return {k: len(t.chunks) for k, t in tensors.items() if ".bucket_idx_" in k}
+
+
+def test_distributed_optimizer_reshards_over_data_and_tensor_parallelism(tmp_path: Path) -> None:
+    """Megatron's DistributedOptimizer (Adam, one step) saved and loaded at other layouts:
+    ``dp_reshardable`` DP=2 -> DP=1 and DP=1 -> DP=2, ``fully_reshardable`` DP=2 -> DP=1,
+    TP=2 -> TP=1 and TP=2 -> TP=1 x DP=2. exp_avg, exp_avg_sq and the fp32 main parameters,
+    put together from the ranges each rank owns, equal the saved ones bitwise."""
+    p = {name: str(tmp_path / name) for name in ("dp2", "dp2_full", "tp2_full", "dp1")}
+    saved = run_ranks(
+        2,
+        mj.dist_steps,
+        [
+            ("save", p["dp2"], 1, "dp_reshardable"),
+            ("save", p["dp2_full"], 1, "fully_reshardable"),
+            ("save", p["tp2_full"], 2, "fully_reshardable"),
+        ],
+        timeout_s=300,
+    )
+    one = run_ranks(
+        1,
+        mj.dist_steps,
+        [
+            ("load", p["dp2"], 1, "dp_reshardable"),
+            ("load", p["dp2_full"], 1, "fully_reshardable"),
+            ("load", p["tp2_full"], 1, "fully_reshardable"),
+            ("save", p["dp1"], 1, "dp_reshardable"),
+        ],
+        timeout_s=300,
+    )[0]
+    two = run_ranks(
+        2,
+        mj.dist_steps,
+        [("load", p["dp1"], 1, "dp_reshardable"), ("load", p["tp2_full"], 1, "fully_reshardable")],
+        timeout_s=300,
+    )
+    dp2, dp2_full = (_whole([r[i] for r in saved]) for i in (0, 1))
+    assert any(v.abs().sum() > 0 for k, v in dp2.items() if k.endswith(".exp_avg"))
+    _assert_equal(_whole([one[0]]), {k: [v] for k, v in dp2.items()})
+    _assert_equal(_whole([one[1]]), {k: [v] for k, v in dp2_full.items()})
+    _assert_equal(_whole([r[0] for r in two]), {k: [v] for k, v in _whole([one[3]]).items()})
+    tp_ranks = [_whole([r[2]]) for r in saved]  # TP=2: each rank owns its whole TP shard
+    tp2 = {k: _unsharded(k, [t[k].numpy() for t in tp_ranks]) for k in tp_ranks[0]}
+    _assert_equal(_whole([one[2]]), tp2)
+    _assert_equal(_whole([r[1] for r in two]), tp2)
+    # each data-parallel rank's range of a bucket is one flat range: one chunk per rank
+    assert set(_bucket_chunks(p["dp2"]).values()) == {2}
+    assert set(_bucket_chunks(p["dp1"]).values()) == {1}
+
+
+@pytest.mark.parametrize("sharding_type", ["dp_zero_gather_scatter", "fully_sharded_model_space"])
+def test_distributed_optimizer_sharding_types_that_do_not_reshard_are_refused(
+    tmp_path: Path, sharding_type: str
+) -> None:
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+    from unickpt.errors import CheckpointError
+    from unickpt.integrations import megatron as um
+
+    state = {
+        "optimizer": {
+            "param_state": LocalNonpersistentObject(None),
+            "param_state_sharding_type": sharding_type,
+        }
+    }
+    expected = (
+        f"'optimizer.param_state_sharding_type' is '{sharding_type}'.*"
+        "'dp_reshardable'.*'fully_reshardable'"
+    )
+    with pytest.raises(CheckpointError, match=expected):
+        um.save(state, str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointError, match=expected):
+        um.load(state, str(tmp_path / "ckpt"))
+
+
+def test_flattened_ranges_are_refused_naming_the_sharding_types_that_work(tmp_path: Path) -> None:
+    """What an older megatron-core's 'fully_sharded_model_space' gives (0.16 refuses to build
+    it): a ShardedTensor holding a flat range of its block."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from unickpt.errors import CheckpointError
+    from unickpt.integrations import megatron as um
+
+    sh = ShardedTensor.from_rank_offsets("optimizer.state.exp_avg.w", torch.zeros(4, 6))
+    sh.flattened_range = slice(3, 9)
+    sh.data = torch.zeros(6)
+    with pytest.raises(CheckpointError, match=r"flattened_range.*'dp_reshardable'"):
+        um.save({"optimizer": {"param_state": {0: {"exp_avg": sh}}}}, str(tmp_path / "ckpt"))

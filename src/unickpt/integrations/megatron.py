@@ -28,6 +28,7 @@ What maps to what:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -41,12 +42,29 @@ from .. import api
 from ..engine.commit import read_metadata
 from ..errors import CheckpointError
 from ..format.dtypes import dtype_from_name
-from ..layouts.leaves import Fused, FusedPiece, ShardedTensor
+from ..layouts.leaves import FlatShard, Fused, FusedPiece, ShardedTensor
 from ..storage.registry import open_storage
 
 log = logging.getLogger(__name__)
 
 COMMON = "common"
+
+SHARDING_TYPE = "param_state_sharding_type"
+"""The entry of a DistributedOptimizer's sharded state dict that names its sharding type."""
+
+WORKING_TYPES = (
+    "'dp_reshardable' (each data-parallel rank writes its own flat ranges of the buckets; loads "
+    "at another data-parallel size) or 'fully_reshardable' (the state in the parameters' shapes, "
+    "gathered over data parallelism by Megatron; loads at any TP/PP/DP)"
+)
+
+REFUSED_TYPES = {
+    "dp_zero_gather_scatter": "gathers the whole optimizer state into one object on "
+    "data-parallel rank 0 (deprecated in megatron-core), which cannot reshard",
+    "fully_sharded_model_space": "holds ShardedTensors with flattened ranges, which "
+    "megatron-core 0.16 refuses itself",
+}
+"""DistributedOptimizer sharding types refused, and why."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +119,7 @@ def load(sharded_state_dict: dict[str, Any], path: str | os.PathLike[str], **kwa
         finish()
     loaded = _loaded(sharded_state_dict, mapped.state, "")
     for key in extra:
-        _put(loaded, key[len(COMMON) + 1 :].split("."), mapped.state[key])
+        _put_missing(loaded, key[len(COMMON) + 1 :].split("."), mapped.state[key])
     return loaded
 
 
@@ -121,10 +139,16 @@ def _saved_common(path: str | os.PathLike[str], state: dict[str, Any]) -> dict[s
     return slots
 
 
-def _put(node: dict[str, Any], path: list[str], value: Any) -> None:
+def _put_missing(node: dict[str, Any], path: list[str], value: Any) -> None:
+    """``value`` at ``path`` unless the loading dict holds something there: a saved common
+    value never replaces what was loaded (the ``None`` that data-parallel ranks > 0 hold in
+    place of a ``fully_reshardable`` optimizer's gathered state)."""
     for part in path[:-1]:
-        node = node.setdefault(part, {})
-    node[path[-1]] = value
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            return
+        node = child
+    node.setdefault(path[-1], value)
 
 
 def _mapping() -> Any:
@@ -167,7 +191,21 @@ def _map_entry(mapped: _Mapped, path: str, value: Any) -> None:
     elif isinstance(value, m.ShardedObject):
         mapped.state[_object_key(value)] = value.data
     elif not isinstance(value, m.LocalNonpersistentObject):
+        _check_sharding_type(path, value)
         mapped.state[f"{COMMON}.{path}"] = value
+
+
+def _check_sharding_type(path: str, value: Any) -> None:
+    """Refuse a DistributedOptimizer state of a sharding type unickpt does not reshard."""
+    if path.rsplit(".", 1)[-1] != SHARDING_TYPE or not isinstance(value, str):
+        return
+    if value not in REFUSED_TYPES:
+        return
+    raise CheckpointError(
+        f"'{path}' is '{value}': this sharding type {REFUSED_TYPES[value]}. Build the "
+        "optimizer's sharded state dict with metadata={'distrib_optim_sharding_type': ...} "
+        f"set to {WORKING_TYPES}, at save and at load."
+    )
 
 
 def _map_factory(mapped: _Mapped, factory: Any) -> None:
@@ -205,8 +243,10 @@ def _block(sh: Any) -> _Block:
     """A ShardedTensor as a box of a tensor whose key holds its prepended offsets."""
     if sh.flattened_range is not None:
         raise CheckpointError(
-            f"ShardedTensor '{sh.key}' has a flattened_range; megatron-core 0.16 refuses these "
-            "too. Save the distributed optimizer in a layout without flattened ranges."
+            f"ShardedTensor '{sh.key}' has a flattened_range (the DistributedOptimizer's "
+            "'fully_sharded_model_space' layout), which megatron-core 0.16 refuses too. Build "
+            "the optimizer's sharded state dict with "
+            f"metadata={{'distrib_optim_sharding_type': ...}} set to {WORKING_TYPES}."
         )
     p = int(sh.prepend_axis_num)
     lead = tuple(int(o) for o in sh.global_offset[:p])
@@ -233,11 +273,49 @@ def _leaf(key: str, blocks: list[_Block], after_load: list[Callable[[], None]]) 
     if len(blocks) == 1:
         b = blocks[0]
         return ShardedTensor(b.data, b.global_shape, b.offsets)
+    run = _flat_run(blocks)
+    if run is not None:
+        return _flat(run, after_load)
     view = _joined_view(blocks)
     if view is not None:
         base, dim = view
         return Fused(base, dim, _pieces(blocks, dim))
     return _copied(key, blocks, after_load)
+
+
+def _flat_run(blocks: list[_Block]) -> list[_Block] | None:
+    """The blocks of a 1-D tensor in order, when each begins where the one before ends: one
+    flat range (a DistributedOptimizer bucket's range on a data-parallel rank, its parameters'
+    states and the padding between them as blocks of their own)."""
+    if len(blocks[0].global_shape) != 1:
+        return None
+    run = sorted(blocks, key=lambda b: b.offsets[0])
+    for before, after in itertools.pairwise(run):
+        if before.offsets[0] + before.data.numel() != after.offsets[0]:
+            return None
+    return run
+
+
+def _flat(run: list[_Block], after_load: list[Callable[[], None]]) -> FlatShard:
+    """One flat range over consecutive blocks: a view when they lie in one tensor, else a
+    buffer joining them, copied back after a load."""
+    first = run[0]
+    view = _joined_view(run)
+    if view is not None:
+        return FlatShard(view[0], first.global_shape, first.offsets[0])
+    buffer = torch.cat([b.data.detach().reshape(-1) for b in run])
+    after_load.append(lambda: _copy_back(run, buffer))
+    return FlatShard(buffer, first.global_shape, first.offsets[0])
+
+
+def _copy_back(blocks: list[_Block], buffer: torch.Tensor) -> None:
+    """Each block's rows of ``buffer`` (joined along dimension 0) back into its tensor."""
+    start = 0
+    for b in blocks:
+        n = b.data.shape[0]
+        with torch.no_grad():
+            b.data.copy_(buffer[start : start + n].view(b.data.shape))
+        start += n
 
 
 def _joined_view(blocks: list[_Block]) -> tuple[torch.Tensor, int] | None:
@@ -275,16 +353,7 @@ def _copied(key: str, blocks: list[_Block], after_load: list[Callable[[], None]]
             "blocks along dimension 0 and needs their other dimensions to agree."
         )
     buffer = torch.cat([b.data.detach() for b in blocks])
-
-    def copy_back() -> None:
-        start = 0
-        for b in blocks:
-            n = b.data.shape[0]
-            with torch.no_grad():
-                b.data.copy_(buffer[start : start + n])
-            start += n
-
-    after_load.append(copy_back)
+    after_load.append(lambda: _copy_back(blocks, buffer))
     return Fused(buffer, 0, _pieces(blocks, 0))
 
 

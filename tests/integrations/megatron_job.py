@@ -4,6 +4,9 @@ on CPU gloo ranks, run its forward pass, and save or load its sharded state dict
 Megatron-Core expects CUDA in three places; the test replaces them for the run (``shim``):
 ``torch.cuda.current_device`` answers "cpu", the RNG tracker's ``fork`` is a no-op context, and
 the forward pass gets an explicit causal ``attention_mask``. The library is not touched.
+For the DistributedOptimizer, its construction sees ``torch.cuda.*`` parameter types
+(``build_dist_optimizer``), ``fully_reshardable`` gathers through gloo, and a load keeps torch
+Adam's ``step`` (``keep_adam_step``).
 """
 
 from __future__ import annotations

@@ -19,6 +19,14 @@ What maps to what:
   of one key held in one local tensor (the gate and up rows) become one :class:`unickpt.Fused`
   leaf whose pieces are boxes of that key, loaded in place; the factory's ``merge_fn`` then gives
   its data;
+- blocks of one key in separate tensors on a rank are joined: consecutive blocks of a 1-D
+  tensor into one :class:`unickpt.FlatShard` (the DistributedOptimizer's ``dp_reshardable``
+  buckets: one flat range per data-parallel rank), others along dimension 0 into a ``Fused``
+  buffer; a joined buffer is copied back after a load;
+- the DistributedOptimizer's ``dp_reshardable`` (reshards over data parallelism) and
+  ``fully_reshardable`` (any TP/PP/DP) sharding types are saved as they come;
+  ``dp_zero_gather_scatter`` and ``flattened_range`` tensors (``fully_sharded_model_space``) are
+  refused, naming those two;
 - a ``ShardedObject`` is a value under ``{key}`` plus ``.shard_{offsets}`` when its global shape
   holds several shards; tensors inside it are saved as replicated tensors of that key;
 - any other entry (a plain value or tensor of the common state) is saved under

@@ -17,7 +17,9 @@ does (``Saving the checkpoint (step N) to ...``, ``Finished saving the checkpoin
 - ``optimizer``: the optimizers container's own flat, FQN-keyed state dict;
 - ``lr_scheduler``, ``train_state`` and any other state the trainer passes: their state dicts;
 - ``dataloader``: each rank's own state, as a :class:`unickpt.PerRank` value (its keys,
-  ``dp_rank_N``, differ between ranks);
+  ``dp_rank_N``, differ between ranks), which reshards on another number of processes
+  (:mod:`unickpt.data.titan`: a map-style Hugging Face text dataset resumes with every document
+  of the epoch read once; other data loaders are refused, naming ``exclude_from_loading``);
 - ``folder`` (under the dump folder) is a :class:`unickpt.Checkpointer` root, ``keep_latest_k``
   its ``keep_last`` (0: keep all), ``async_mode`` ``"disabled"`` a synchronous save, ``"async"``
   an asynchronous one (returns after the snapshot), ``"async_with_pinned_mem"`` a zero-stall one
@@ -30,9 +32,9 @@ reading what it holds, and ``last_save_in_hf`` writes the last save's model as s
 (``step-000000100-hf``) from every rank.
 
 Checkpoints are unickpt checkpoints (``step-000000100``): ``unickpt inspect``, ``convert``
-and ``load`` read them. Loading into another world size or layout works for everything but the
-data loader, whose state belongs to a data-parallel rank: list ``"dataloader"`` in
-``exclude_from_loading`` when the data-parallel degree changes (as with DCP).
+and ``load`` read them. Loading into another world size or layout works for everything; the
+data loader's position reshards where :mod:`unickpt.data.titan` can split it exactly, and is
+refused otherwise (list ``"dataloader"`` in ``exclude_from_loading`` to start the data over).
 """
 
 from __future__ import annotations
@@ -54,9 +56,9 @@ from torchtitan.tools import filesystem
 
 from .. import api
 from ..checkpointer import Checkpointer
+from ..data.titan import TitanLoaderState
 from ..engine.futures import SaveFuture
 from ..errors import CheckpointError, CheckpointNotFoundError
-from ..layouts.leaves import PerRank
 from . import StatefulView
 
 log = logging.getLogger(__name__)
@@ -81,19 +83,6 @@ class ModelParts:
         for part in self.parts:
             own = part.state_dict()
             part.load_state_dict({k: v for k, v in state_dict.items() if k in own})
-
-
-class PerRankState:
-    """An object whose state belongs to this rank alone (a data loader's position)."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"state": PerRank(self.obj.state_dict())}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.obj.load_state_dict(state_dict["state"].value)
 
 
 class UnickptCheckpointManager(BaseCheckpointManager):
@@ -199,7 +188,7 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         self.states[OPTIMIZER] = StatefulView(optimizers)
         self.states[LR_SCHEDULER] = lr_schedulers
         if dataloader is not None:
-            self.states[DATALOADER] = PerRankState(dataloader)
+            self.states[DATALOADER] = TitanLoaderState(dataloader)
         self.model_parts = model_parts
         self.sd_adapter = sd_adapter
         if (config.last_save_in_hf or config.initial_load_in_hf) and sd_adapter is None:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.distributed import context, take_environment
 
 SCRIPT = Path(__file__).with_name("_saver_script.py")
 
@@ -94,8 +95,15 @@ def _free_port() -> int:
 
 
 def _entry(
-    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], q: Any
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    q: Any,
+    environ: dict[str, str],
 ) -> None:
+    take_environment(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
     )
@@ -119,10 +127,13 @@ def run_ranks_some_die(
     ranks that ended without a result; any rank still alive after ``timeout_s`` (a hang)
     fails the caller.
     """
-    ctx = mp.get_context("spawn")
+    ctx = context()
     q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, q)) for r in range(world)]
+    port, environ = _free_port(), dict(os.environ)
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, fn, args, q, environ))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}

@@ -5,7 +5,6 @@ command (:mod:`.faulty`); distributed cases in real spawned gloo ranks."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import shutil
 import time
@@ -20,7 +19,7 @@ import unickpt
 from unickpt.errors import CheckpointCorruptError, CheckpointError
 from unickpt.root import ROOT_ID_FILE, step_name
 
-from ..distributed import run_ranks
+from ..distributed import context, run_ranks, start_process
 from .faulty import faulty
 
 
@@ -159,10 +158,8 @@ def test_a_reader_beside_a_writer_with_keep_last_1_always_gets_a_whole_step(
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "root"
-    ctx = multiprocessing.get_context("spawn")
-    stop = ctx.Event()
-    writer = ctx.Process(target=_writer, args=(str(root), stop))
-    writer.start()
+    stop = context().Event()
+    writer = start_process(_writer, str(root), stop)
     reader = unickpt.Checkpointer(root)
     loads: list[int] = []
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import unickpt
-from tests.distributed import run_ranks, start_ranks
+from tests.distributed import run_ranks, start_process, start_ranks
 from tests.tiers import workers
 
 
@@ -112,16 +112,11 @@ def _port() -> int:
 def test_sigterm_persists_newest_memory_step(tmp_path: Path) -> None:
     root, shm, ready = str(tmp_path / "store"), str(tmp_path / "shm"), tmp_path / "ready"
     ready.mkdir()
-    ctx = multiprocessing.get_context("spawn")
     port = _port()
     procs = [
-        ctx.Process(
-            target=workers.entry_signalled, args=(r, 2, port, root, shm, str(ready)), daemon=True
-        )
+        start_process(workers.entry_signalled, r, 2, port, root, shm, str(ready), daemon=True)
         for r in range(2)
     ]
-    for p in procs:
-        p.start()
     deadline = time.monotonic() + 180
     while len(list(ready.iterdir())) < 2:
         assert time.monotonic() < deadline and all(p.is_alive() for p in procs)

@@ -106,8 +106,8 @@ def _train_stop_resume(rank: int, world: int, root: str) -> dict[str, Any]:
     }
 
 
-def test_ddp_train_stop_resume_and_export(tmp_path: Path) -> None:
-    out = run_ranks(2, _train_stop_resume, str(tmp_path))
+def test_ddp_train_stop_resume_and_export(runs: Runs) -> None:
+    tmp_path, out = runs["resume"]
     for r in out:
         assert r["stopped"] == ["checkpoint-2", "checkpoint-4"]
         assert r["final"] == ["checkpoint-4", "checkpoint-6"]  # save_total_limit=2
@@ -171,9 +171,9 @@ def _resume_after_failure(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def test_save_total_limit_keeps_the_committed_checkpoint_when_an_async_save_fails(
-    tmp_path: Path,
+    runs: Runs,
 ) -> None:
-    failed = run_ranks(2, _fail_save_of_step_4, str(tmp_path))
+    tmp_path, failed = runs["failure"]
     for r in failed:
         assert "File too large" in r["error"]  # the failed save surfaces at the next save
         assert r["left"] == ["checkpoint-2", "checkpoint-4"]
@@ -227,8 +227,8 @@ def _save_model_from_every_rank(rank: int, world: int, root: str) -> dict[str, A
     return out
 
 
-def test_save_model_writes_safetensors_from_every_ddp_rank(tmp_path: Path) -> None:
-    out = run_ranks(2, _save_model_from_every_rank, str(tmp_path))
+def test_save_model_writes_safetensors_from_every_ddp_rank(runs: Runs) -> None:
+    tmp_path, out = runs["save_model"]
     first = out[0]
     assert first["final_equal"] and first["again_equal"]  # from_pretrained: the same logits
     ours, reference = first["keys"]
@@ -246,3 +246,27 @@ def test_save_model_writes_safetensors_from_every_ddp_rank(tmp_path: Path) -> No
     again = {p.name for p in (tmp_path / "again").iterdir()}
     assert "model.safetensors.index.json" in again  # shards of about 20 kB
     assert "model-00001-of-" in " ".join(sorted(again))
+
+
+# The first jobs of the tests above, one after the other in the same 2 ranks, each in its
+# folder: starting ranks that import transformers took much of a job's time. The job whose save
+# fails comes last, as its file size limit stays on its processes; resuming after it is a new
+# job, in new processes.
+JOBS = {
+    "resume": _train_stop_resume,
+    "save_model": _save_model_from_every_rank,
+    "failure": _fail_save_of_step_4,
+}
+Runs = dict[str, tuple[Path, list[dict[str, Any]]]]
+
+
+def _every_job(rank: int, world: int, root: str) -> dict[str, dict[str, Any]]:
+    return {name: job(rank, world, f"{root}/{name}") for name, job in JOBS.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Each job's folder and its ranks' results."""
+    root = tmp_path_factory.mktemp("huggingface")
+    out = run_ranks(2, _every_job, str(root), timeout_s=900)
+    return {name: (root / name, [r[name] for r in out]) for name in JOBS}

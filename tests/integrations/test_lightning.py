@@ -93,8 +93,8 @@ def _fit_stop_resume(rank: int, world: int, root: str) -> dict[str, Any]:
     }
 
 
-def test_ddp_fit_stop_resume_through_unickpt(tmp_path: Path) -> None:
-    out = run_ranks(2, _fit_stop_resume, str(tmp_path))
+def test_ddp_fit_stop_resume_through_unickpt(runs: Runs) -> None:
+    tmp_path, out = runs["ddp"]
     for r in out:
         assert r["files"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
         assert r["same"] == [True] * 4  # resumed run ends bit for bit where the reference does
@@ -119,16 +119,20 @@ def _resume_from_torch_save(rank: int, world: int, root: str) -> dict[str, Any]:
     _, reference = _fit(f"{root}/run", 3, async_save=False, unickpt=False)
     before = {name: os.path.isfile(f"{root}/run/{name}") for name in os.listdir(f"{root}/run")}
     records = _Records()
-    logging.getLogger("unickpt.integrations.lightning").addHandler(records)
+    logger = logging.getLogger("unickpt.integrations.lightning")
+    logger.addHandler(records)
     old = f"{root}/run/epoch=1-step=8.ckpt"
-    _, resumed = _fit(f"{root}/run", 3, async_save=True, resume=old)
+    try:
+        _, resumed = _fit(f"{root}/run", 3, async_save=True, resume=old)
+    finally:
+        logger.removeHandler(records)
     same = [torch.equal(a, b) for a, b in zip(reference.parameters(), resumed.parameters())]
     after = {name: os.path.isdir(f"{root}/run/{name}") for name in os.listdir(f"{root}/run")}
     return {"same": same, "warnings": records.messages, "before": before, "after": after}
 
 
-def test_fit_resumes_a_torch_save_checkpoint_with_a_warning(tmp_path: Path) -> None:
-    out = run_ranks(2, _resume_from_torch_save, str(tmp_path))
+def test_fit_resumes_a_torch_save_checkpoint_with_a_warning(runs: Runs) -> None:
+    tmp_path, out = runs["torch_save"]
     old = tmp_path / "run" / "epoch=1-step=8.ckpt"
     for r in out:
         assert r["same"] == [True] * 4  # resumed from the torch.save file, bit for bit
@@ -225,8 +229,8 @@ def _fsdp2_fit_stop_resume(rank: int, world: int, root: str) -> dict[str, Any]:
     return {"same": [torch.equal(a.full_tensor(), b.full_tensor()) for a, b in pairs]}
 
 
-def test_fsdp2_model_parallel_strategy_through_unickpt(tmp_path: Path) -> None:
-    out = run_ranks(2, _fsdp2_fit_stop_resume, str(tmp_path))
+def test_fsdp2_model_parallel_strategy_through_unickpt(runs: Runs) -> None:
+    tmp_path, out = runs["fsdp2"]
     assert all(r["same"] == [True] * 4 for r in out)
     assert (tmp_path / "run" / "last.ckpt" / "COMMIT").is_file()
     summary = inspect_checkpoint(tmp_path / "run" / "epoch=1-step=8.ckpt")
@@ -234,3 +238,25 @@ def test_fsdp2_model_parallel_strategy_through_unickpt(tmp_path: Path) -> None:
     layouts = {t.key: t.layout for t in summary.tensors}
     assert layouts["state_dict.net.0.weight"] == "dtensor"
     assert "optimizer_0.state.net.0.weight.exp_avg" in layouts
+
+
+# The jobs of the tests above, one after the other in the same 2 ranks, each in its folder:
+# starting ranks that import Lightning took most of a job's time.
+JOBS = {
+    "ddp": _fit_stop_resume,
+    "torch_save": _resume_from_torch_save,
+    "fsdp2": _fsdp2_fit_stop_resume,
+}
+Runs = dict[str, tuple[Path, list[dict[str, Any]]]]
+
+
+def _every_job(rank: int, world: int, root: str) -> dict[str, dict[str, Any]]:
+    return {name: job(rank, world, f"{root}/{name}") for name, job in JOBS.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Each job's folder and its ranks' results."""
+    root = tmp_path_factory.mktemp("lightning")
+    out = run_ranks(2, _every_job, str(root), timeout_s=900)
+    return {name: (root / name, [r[name] for r in out]) for name in JOBS}

@@ -184,3 +184,56 @@ def test_a_stream_position_is_refused() -> None:
     saved = [{"dp_rank_0": b"", "world_size": 1, "unickpt": None}]
     with pytest.raises(unickpt.CheckpointMismatchError, match="exclude_from_loading"):
         reshard_titan_loader(saved, 2, 0)
+
+
+def _loader_at(rank: int, world: int, folder: str, data: str) -> Any:
+    """A data loader alone (no manager), for ranks simulated in this process."""
+    import datasets
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+    datasets.config.HF_DATASETS_CACHE = f"{folder}/hf-cache"
+    config = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=data, infinite=False)
+    return HuggingFaceTextDataLoader(
+        config,
+        dp_world_size=world,
+        dp_rank=rank,
+        tokenizer=DocTokenizer(),
+        seq_len=SEQ,
+        local_batch_size=BATCH,
+    )
+
+
+def test_a_shuffled_epoch_reshards_exactly(tmp_path: Path) -> None:
+    """Epoch 1 (torchtitan shuffles each rank's shard): the order unickpt computes is the one
+    the ranks read, and 2 ranks (as 4 processes with tensor parallel 2) resharded to 3 read
+    every token of the epoch once. Ranks simulated in this process with their own loaders."""
+    from unickpt.data.titan import TitanLoaderState, epoch_order, reshard_titan_loader
+
+    data = _write_dataset(tmp_path)
+    loaders = [_loader_at(r, 2, str(tmp_path), data) for r in range(2)]
+    for rank, loader in enumerate(loaders):
+        loader.dataset.reloop()  # epoch 1
+        docs = [int(s["text"].split()[1]) for s in loader.dataset._data]
+        assert docs == epoch_order(rank * DOCS // 2, DOCS // 2, 1).tolist() != sorted(docs)
+    iterators = [iter(loader) for loader in loaders]
+    before = [t for it in iterators for _ in range(STEPS) for t in next(it)[0]["input"].flatten()]
+    saved = [TitanLoaderState(loader).state_dict()["state"].value for loader in loaders]
+    after: list[int] = []
+    for rank in range(3):
+        share = reshard_titan_loader([saved[0], saved[0], saved[1], saved[1]], 6, 2 * rank)
+        resumed = TitanLoaderState(_loader_at(rank, 3, str(tmp_path), data))
+        resumed.load_state_dict({"state": unickpt.PerRank(share)})
+        after += [t for b in resumed.dataloader for t in b[0]["input"].flatten().tolist()]
+        after += resumed.dataloader.dataset._inputs_buffer
+    assert Counter([int(t) for t in before] + after) == _epoch()
+
+
+def test_saving_ranks_in_different_epochs_are_refused(tmp_path: Path) -> None:
+    from unickpt.data.titan import TitanLoaderState, reshard_titan_loader
+
+    data = _write_dataset(tmp_path)
+    loaders = [_loader_at(r, 2, str(tmp_path), data) for r in range(2)]
+    loaders[1].dataset.reloop()
+    saved = [TitanLoaderState(loader).state_dict()["state"].value for loader in loaders]
+    with pytest.raises(unickpt.CheckpointMismatchError, match=r"epochs \[0, 1\]"):
+        reshard_titan_loader(saved, 3, 0)

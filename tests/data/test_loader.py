@@ -296,3 +296,19 @@ def test_workers_resume_where_they_stopped(tmp_path: Path) -> None:
     assert len(after) == len(uninterrupted) == SAMPLES // BATCH - STEPS
     assert all(torch.equal(a, b) for a, b in zip(after, uninterrupted, strict=True))
     assert sorted(_ids(before + after, "distributed")) == list(range(SAMPLES))
+
+
+def test_processes_of_one_data_parallel_rank_count_once() -> None:
+    """With tensor parallel 2, two processes save each data-parallel rank's position: the
+    rest of the epoch is split as from the data-parallel ranks alone."""
+    saved = _saved_positions(2, [3, 3])
+    resumed = reshardable(
+        StatefulDataLoader(Squares(), sampler=DistributedSampler(range(SAMPLES), 3, 0)),
+        rank=0,
+        world_size=3,
+    )
+    doubled = [saved[0], saved[0], saved[1], saved[1]]
+    assert resumed.reshard(doubled, 6, 0) == resumed.reshard(saved, 3, 0)
+    assert resumed.reshard(saved, 3, 0)["consumed"] == 3 * BATCH * 2
+    with pytest.raises(unickpt.CheckpointMismatchError, match=r"ranks \[0\] of 2"):
+        resumed.reshard(saved[:1], 3, 0)

@@ -172,6 +172,13 @@ class ReshardableLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at this rank's saved position, or at its share of every rank's."""
         value = state["position"].value
+        if "resharded" not in value and int(value["world_size"]) != self.world_size:
+            raise CheckpointMismatchError(
+                f"the data loader's position was saved on {value['world_size']} data-parallel "
+                f"ranks and loads on {self.world_size} in a job of as many processes (another "
+                "tensor-parallel degree, say): each process holds only its own position. Load "
+                f"with {value['world_size']} data-parallel ranks, or leave the data loader out."
+            )
         self._rest, self._continues = None, True
         if value.get("resharded") == "iterable":
             self._base, self._yielded = 0, 0
@@ -236,16 +243,11 @@ class ReshardableLoader:
 
     def reshard(self, saved: list[dict[str, Any]], world_size: int, rank: int) -> dict[str, Any]:
         """This rank's position from every saving rank's, on ``world_size`` ranks (the PerRank
-        function the load calls when the world size changed)."""
-        if len(saved) != int(saved[0]["world_size"]):
-            raise CheckpointMismatchError(
-                f"the data loader's position was saved by {len(saved)} of "
-                f"{saved[0]['world_size']} ranks; resharding needs every rank's. Load on "
-                f"{saved[0]['world_size']} ranks, or leave the data loader out of the load."
-            )
-        if saved[0]["order"] is not None:
-            return _reshard_map(saved)
-        return self._reshard_iterable(saved, world_size, rank)
+        function the load calls when the number of processes changed)."""
+        positions = _by_data_parallel_rank(saved)
+        if positions[0]["order"] is not None:
+            return _reshard_map(positions)
+        return self._reshard_iterable(positions, world_size, rank)
 
     def _reshard_iterable(
         self, saved: list[dict[str, Any]], world_size: int, rank: int
@@ -262,6 +264,22 @@ class ReshardableLoader:
         states = [s["loader"].get("dataset_state") for s in saved]
         fresh["dataset_state"] = _reshard_dataset_state(template, states, world_size, rank)
         return {"resharded": "iterable", "loader": fresh}
+
+
+def _by_data_parallel_rank(saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One position per saving data-parallel rank, in rank order (the processes of one
+    data-parallel rank, tensor-parallel ones say, saved the same); all of them, or refused."""
+    by_rank: dict[int, dict[str, Any]] = {}
+    for value in saved:
+        by_rank.setdefault(int(value["rank"]), value)
+    degree = int(saved[0]["world_size"])
+    if sorted(by_rank) != list(range(degree)):
+        raise CheckpointMismatchError(
+            f"the data loader's position was saved by data-parallel ranks {sorted(by_rank)} of "
+            f"{degree}; resharding needs every one's. Load on {degree} data-parallel ranks, or "
+            "leave the data loader out of the load."
+        )
+    return [by_rank[r] for r in range(degree)]
 
 
 def _reshard_map(saved: list[dict[str, Any]]) -> dict[str, Any]:

@@ -176,23 +176,43 @@ def test_the_saved_degree_goes_on_as_the_uninterrupted_run(
         assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted, strict=True))
 
 
-def test_a_stream_position_is_refused() -> None:
-    """A saved state that is no map-style dataset's (a stream's, another dataset's) names
-    exclude_from_loading."""
-    from unickpt.data.titan import reshard_titan_loader
+def test_a_stream_position_is_refused(tmp_path: Path) -> None:
+    """A streaming Hugging Face dataset's position (in its stream's shards) is refused on
+    another degree, naming exclude_from_loading; so is a state of no known dataset."""
+    from datasets import load_dataset
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS
 
-    saved = [{"dp_rank_0": b"", "world_size": 1, "unickpt": None}]
+    from unickpt.data.titan import TitanLoaderState, reshard_titan_loader
+
+    data = _write_dataset(tmp_path)
+    DATASETS["docs_stream"] = DatasetConfig(
+        path=data,
+        loader=lambda path: load_dataset(path, split="train", streaming=True),
+        sample_processor=lambda sample: sample["text"],
+    )
+    try:
+        saved = []
+        for rank in range(2):
+            loader = _loader_at(rank, 2, str(tmp_path), data, dataset="docs_stream")
+            next(iter(loader))
+            saved.append(TitanLoaderState(loader).state_dict()["state"].value)
+    finally:
+        del DATASETS["docs_stream"]
+    with pytest.raises(unickpt.CheckpointMismatchError, match=r"stream.*exclude_from_loading"):
+        reshard_titan_loader(saved, 3, 0)
+    other = [{"dp_rank_0": b"", "world_size": 1, "unickpt": None}]
     with pytest.raises(unickpt.CheckpointMismatchError, match="exclude_from_loading"):
-        reshard_titan_loader(saved, 2, 0)
+        reshard_titan_loader(other, 2, 0)
 
 
-def _loader_at(rank: int, world: int, folder: str, data: str) -> Any:
+def _loader_at(rank: int, world: int, folder: str, data: str, dataset: str = "c4_test") -> Any:
     """A data loader alone (no manager), for ranks simulated in this process."""
     import datasets
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
     datasets.config.HF_DATASETS_CACHE = f"{folder}/hf-cache"
-    config = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=data, infinite=False)
+    config = HuggingFaceTextDataLoader.Config(dataset=dataset, dataset_path=data, infinite=False)
     return HuggingFaceTextDataLoader(
         config,
         dp_world_size=world,

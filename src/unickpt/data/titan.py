@@ -107,9 +107,9 @@ def _position(dataloader: Any, read: dict[str, Any] | None) -> dict[str, Any] | 
     of a map-style dataset and the documents read before this pass (while in its epoch);
     None for another dataset."""
     dataset: Any = getattr(dataloader, "dataset", None)
-    shard = getattr(dataset, "_original_data", None)
-    if shard is None or not hasattr(shard, "select") or not hasattr(dataset, "_sample_idx"):
+    if not _is_map_style(getattr(dataset, "_original_data", None)):
         return None
+    shard = dataset._original_data
     current = read if read is not None and read["epoch"] == dataset._epoch else None
     return {"shard_len": len(shard), "read": current}
 
@@ -147,7 +147,8 @@ def _saved_position(value: dict[str, Any], rank: int) -> dict[str, Any]:
     ours = value.get("unickpt")
     raw = value.get(f"dp_rank_{rank}")
     state = pickle.loads(raw) if ours is not None and isinstance(raw, bytes) else None
-    if ours is None or state is None or "_snapshot" in state:
+    known = state is not None and "sample_idx" in (state.get("dataset_state") or {})
+    if ours is None or state is None or "_snapshot" in state or not known:
         why = (
             "was read by data loader workers"
             if state is not None and "_snapshot" in state
@@ -280,9 +281,18 @@ def _drop_iterator(dataloader: Any) -> None:
     StatefulDataLoader.load_state_dict(dataloader, {})
 
 
+def _is_map_style(data: Any) -> bool:
+    """Whether ``data`` is a map-style ``datasets.Dataset`` (not a streaming one)."""
+    if data is None:
+        return False
+    from datasets import Dataset  # torchtitan's own dependency
+
+    return isinstance(data, Dataset)
+
+
 def _map_dataset(dataloader: Any) -> Any:
     dataset = getattr(dataloader, "dataset", None)
-    if getattr(dataset, "_original_data", None) is None or dataloader.num_workers:
+    if not _is_map_style(getattr(dataset, "_original_data", None)) or dataloader.num_workers:
         raise CheckpointMismatchError(
             f"the checkpoint's torchtitan data loader position belongs to a map-style Hugging "
             f"Face text dataset read without workers, but this data loader reads a "

@@ -199,7 +199,7 @@ def load_trained(rank: int, world: int, path: str, tp: int, pp: int) -> dict[str
         _, optimizer = build_optimizer(model)
         msd = model.sharded_state_dict()
         osd = optimizer.sharded_state_dict(msd, is_loading=True)
-        state = um.load({"model": msd, "optimizer": osd}, path, allow_pickle=True)
+        state = um.load({"model": msd, "optimizer": osd}, path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         return {"params": params(model), "adam": adam_state(model, optimizer)}
@@ -293,6 +293,8 @@ def keep_adam_step() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     real = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(real, "keeps_step", False):
+        return
 
     def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
         group_index, group_order = self.model_param_group_index_map[model_param]
@@ -300,6 +302,7 @@ def keep_adam_step() -> None:
         step = self.optimizer.state[main].get("step")
         real(self, model_param, tensors if step is None else {"step": step, **tensors})
 
+    set_states.keeps_step = True  # type: ignore[attr-defined]
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states  # type: ignore[method-assign]
 
 
@@ -328,11 +331,7 @@ def dist_adam_state(model: Any, optimizer: Any) -> dict[str, Any]:
         for param in inner.model_param_group_index_map:
             start = inner._get_model_param_range_map(param)["param"].start
             tensors = inner._get_main_param_and_optimizer_states(param)
-            for k, name in (
-                ("param", "fp32_param"),
-                ("exp_avg", "exp_avg"),
-                ("exp_avg_sq", "exp_avg_sq"),
-            ):
+            for k, name in _DIST_STATES:
                 values = tensors[k].detach().numpy().copy()
                 out[f"{names[id(param)]}.{name}"] = (start, tuple(param.shape), values)
     return out
@@ -352,6 +351,7 @@ def _dist_step(step: tuple[str, str, int, str]) -> dict[str, Any]:
     from unickpt.integrations import megatron as um
 
     what, path, tp, sharding_type = step
+    pickled = sharding_type == "dp_reshardable"  # its per_bucket_numel: dicts keyed by dtypes
     init_parallel(tp, 1)
     try:
         model = build_model(tp, 1, seed=1 if what == "save" else 2)
@@ -360,14 +360,14 @@ def _dist_step(step: tuple[str, str, int, str]) -> dict[str, Any]:
         if what == "save":
             dist_train_step(ddp, optimizer)
             osd = optimizer.sharded_state_dict(msd, metadata=_dist_metadata(sharding_type))
-            um.save({"model": msd, "optimizer": osd}, path, allow_pickle=True)
+            um.save({"model": msd, "optimizer": osd}, path, allow_pickle=pickled)
         else:
             keep_adam_step()
             for inner in optimizer.chained_optimizers:  # Adam's state, as Megatron-LM's load
                 inner._init_optimizer_states_with_dummy_values()
             meta = _dist_metadata(sharding_type)
             osd = optimizer.sharded_state_dict(msd, is_loading=True, metadata=meta)
-            state = um.load({"model": msd, "optimizer": osd}, path, allow_pickle=True)
+            state = um.load({"model": msd, "optimizer": osd}, path, allow_pickle=pickled)
             model.load_state_dict(state["model"])
             with torch.no_grad():  # fp32 main params are views of the parameters
                 optimizer.load_state_dict(state["optimizer"])

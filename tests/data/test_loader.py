@@ -240,17 +240,24 @@ class _Counter(IterableDataset[int]):
         self.next = state["next"]
 
 
-def _saved_positions(world: int, steps: list[int]) -> list[dict[str, Any]]:
+def _saved_positions(
+    world: int, steps: list[int], num_workers: int = 0, read: list[int] | None = None
+) -> list[dict[str, Any]]:
     """The position values of ``world`` simulated ranks of a DistributedSampler loader, each
-    having read ``steps[rank]`` batches."""
+    having read ``steps[rank]`` batches (their sample ids added to ``read``)."""
     saved = []
     for rank in range(world):
         sampler = DistributedSampler(range(SAMPLES), world, rank, seed=1)
-        loader = StatefulDataLoader(Squares(), sampler=sampler, batch_size=BATCH)
+        loader = StatefulDataLoader(
+            Squares(), sampler=sampler, batch_size=BATCH, num_workers=num_workers
+        )
         data = reshardable(loader, rank=rank, world_size=world)
         batches = iter(data)
         for _ in range(steps[rank]):
-            next(batches)
+            if read is not None:
+                read += next(batches)[:, 0].tolist()
+            else:
+                next(batches)
         saved.append(data.state_dict()["position"].value)
     return saved
 
@@ -312,3 +319,18 @@ def test_processes_of_one_data_parallel_rank_count_once() -> None:
     assert resumed.reshard(saved, 3, 0)["consumed"] == 3 * BATCH * 2
     with pytest.raises(unickpt.CheckpointMismatchError, match=r"ranks \[0\] of 2"):
         resumed.reshard(saved[:1], 3, 0)
+
+
+def test_workers_read_the_rest_of_the_epoch_after_a_resize() -> None:
+    """2 ranks with 2 workers each resumed on 3 ranks with 2 workers each (the loader of the
+    rest of the epoch is built like the user's): every sample once. Ranks simulated here."""
+    read: list[int] = []
+    saved = _saved_positions(2, [STEPS, STEPS], num_workers=2, read=read)
+    for rank in range(3):
+        sampler = DistributedSampler(range(SAMPLES), 3, rank, seed=1)
+        loader = StatefulDataLoader(Squares(), sampler=sampler, batch_size=BATCH, num_workers=2)
+        data = reshardable(loader, rank=rank, world_size=3)
+        data.load_state_dict({"position": unickpt.PerRank(data.reshard(saved, 3, rank))})
+        assert data._rest is not None and data._rest.num_workers == 2
+        read += [i for batch in data for i in batch[:, 0].tolist()]
+    assert Counter(read) == Counter(range(SAMPLES))

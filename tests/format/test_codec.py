@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -164,3 +165,18 @@ def test_row_runs_of_a_table_are_one_index_entry() -> None:
         damage(bad["runs"][0])
         with pytest.raises(CheckpointCorruptError, match=message):
             decode_index(json.dumps(bad).encode(), "i", 0, table)
+
+
+def test_a_large_tensor_inside_a_value_is_stored_with_a_warning(tmp_path: Path) -> None:
+    import torch
+
+    import unickpt
+
+    small = encode_value((torch.ones(4), 3), "k", allow_pickle=False)
+    assert decode_value(small, "k", allow_pickle=False)[1] == 3
+    big = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB
+    with pytest.warns(UserWarning, match=r"'pair\[0\]' is a tensor of 1,200,000 bytes inside"):
+        unickpt.save(tmp_path / "c", {"pair": (big, 3), "w": torch.ones(2)})
+    back = {"pair": None, "w": torch.zeros(2)}
+    unickpt.load(tmp_path / "c", back)
+    assert torch.equal(back["pair"][0], big) and back["pair"][1] == 3

@@ -18,12 +18,16 @@ import base64
 import binascii
 import math
 import pickle
+import warnings
 from typing import Any
 
 import torch
 
 from ..errors import CheckpointCorruptError, UnsafeObjectError
 from .dtypes import dtype_from_name, dtype_name, tensor_bytes
+
+LARGE_VALUE_TENSOR_BYTES = 1 << 20
+"""A tensor inside a value larger than this is stored, with a warning, in the metadata."""
 
 
 def encode_value(value: Any, key: str, allow_pickle: bool) -> Any:
@@ -41,6 +45,14 @@ def encode_value(value: Any, key: str, allow_pickle: bool) -> Any:
         return {"$dict": {k: encode_value(v, f"{key}.{k}", allow_pickle) for k, v in value.items()}}
     if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
         t = value.detach().cpu().contiguous()
+        if t.nbytes > LARGE_VALUE_TENSOR_BYTES:
+            warnings.warn(
+                f"'{key}' is a tensor of {t.nbytes:,} bytes inside a value (a tuple, or a "
+                "container unickpt does not flatten into keys): it is stored in the metadata, "
+                "which every rank reads whole at every load, and it is never resharded. Put it "
+                "in a dict or a list of the state to store it as a tensor.",
+                stacklevel=2,
+            )
         raw = tensor_bytes(t).tobytes()
         data = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
         return {"$tensor": {**data, "data": base64.b64encode(raw).decode("ascii")}}

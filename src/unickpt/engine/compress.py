@@ -9,15 +9,15 @@ does not shrink by at least ``MIN_GAIN`` is stored raw (its stored size equals i
 chunk none of whose segments shrinks is stored plainly, without compression in its index entry.
 Checksums cover the stored bytes of each segment, so damage is found before decoding.
 
-Runs in the writer threads (zstd releases the GIL); decoding in the reader threads.
+Runs in the compressing threads, one segment per task (zstd releases the GIL); decoding in
+the reader threads.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -125,48 +125,60 @@ class Packed:
     """The checksums of the raw bytes of a compressed chunk (per segment)."""
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One segment's stored bytes (a zstd frame, or a view of its raw bytes where that does
+    not pay), their checksum, and the checksum of its raw bytes (the same when stored raw)."""
+
+    stored: np.ndarray
+    checksum: str
+    raw_checksum: str
+    raw_nbytes: int
+
+    @property
+    def shrunk(self) -> bool:
+        return len(self.stored) < self.raw_nbytes
+
+
+def pack_segment(piece: np.ndarray, width: int, level: int = LEVEL) -> Segment:
+    """The stored form of one segment's raw bytes: compressed where that saves at least
+    :data:`MIN_GAIN` (``width`` 0: never, only hashed)."""
+    stored = piece
+    if width and len(piece):
+        packed = encode_unit(piece, width, level)
+        if len(packed) <= len(piece) * (1 - MIN_GAIN):
+            stored = np.frombuffer(packed, dtype=np.uint8)
+    found = digest(memoryview(stored))  # type: ignore[arg-type]
+    raw = found if stored is piece else digest(memoryview(piece))  # type: ignore[arg-type]
+    return Segment(stored, found, raw, len(piece))
+
+
+def segment_starts(nbytes: int, segment: int) -> range:
+    """Where a chunk's segments start (an empty chunk is one empty segment)."""
+    return range(0, nbytes, segment) if nbytes else range(1)
+
+
+def chunk_entry(segments: Sequence[Segment], width: int) -> Packed:
+    """A chunk's :class:`Packed` from its segments, in order (``data`` left empty: the stored
+    bytes are the segments'). Stored plainly when no segment shrinks."""
+    sums = tuple(s.checksum for s in segments)
+    empty = np.empty(0, dtype=np.uint8)
+    if not width or not any(s.shrunk for s in segments):
+        return Packed(empty, sums, None)
+    sizes = tuple(len(s.stored) for s in segments)
+    raw_sums = tuple(s.raw_checksum for s in segments)
+    return Packed(empty, sums, Compression(CODEC, width, sizes), raw_sums)
+
+
 def pack(raw: np.ndarray, width: int, segment: int, level: int = LEVEL) -> Packed:
     """The stored form of a chunk's raw bytes: each segment compressed where that pays
     (``width`` 0: none is, the chunk is stored plainly)."""
-    if width == 0:
-        sums = tuple(digest(memoryview(raw[a : a + segment])) for a in range(0, len(raw), segment))  # type: ignore[arg-type]
-        return Packed(raw, sums or (digest(memoryview(raw)),), None)  # type: ignore[arg-type]
-    pieces: list[np.ndarray] = []
-    sizes: list[int] = []
-    for at in range(0, len(raw), segment):
-        piece = raw[at : at + segment]
-        packed = encode_unit(piece, width, level)
-        keep = len(packed) <= len(piece) * (1 - MIN_GAIN)
-        stored = np.frombuffer(packed, dtype=np.uint8) if keep else piece
-        pieces.append(stored)
-        sizes.append(len(stored))
-    if not any(s < r for s, r in zip(sizes, _raw_sizes(len(raw), segment))):
-        sums = tuple(digest(memoryview(p)) for p in pieces) or (digest(memoryview(raw)),)  # type: ignore[arg-type]
-        return Packed(raw, sums, None)
-    data = np.concatenate(pieces)
-    sums = tuple(digest(memoryview(p)) for p in pieces)  # type: ignore[arg-type]
-    raw_sums = tuple(digest(memoryview(raw[a : a + segment])) for a in range(0, len(raw), segment))  # type: ignore[arg-type]
-    return Packed(data, sums, Compression(CODEC, width, tuple(sizes)), raw_sums)
-
-
-def pack_all(
-    raws: Sequence[np.ndarray], widths: Sequence[int], segment: int, threads: int
-) -> list[Packed]:
-    """:func:`pack` of every chunk, largest first, on ``threads`` threads (``widths[i]`` 0:
-    chunk ``i`` stored plainly, only hashed)."""
-    order = sorted(range(len(raws)), key=lambda i: -len(raws[i]))
-    out: list[Packed | None] = [None] * len(raws)
-
-    def run(i: int) -> None:
-        out[i] = pack(raws[i], widths[i], segment)
-
-    with ThreadPoolExecutor(threads, thread_name_prefix="unickpt-compress") as pool:
-        list(pool.map(run, order))
-    return [p for p in out if p is not None]
-
-
-def _raw_sizes(nbytes: int, segment: int) -> list[int]:
-    return [min(segment, nbytes - at) for at in range(0, nbytes, segment)]
+    pieces = [
+        pack_segment(raw[a : a + segment], width, level) for a in segment_starts(len(raw), segment)
+    ]
+    entry = chunk_entry(pieces, width)
+    data = np.concatenate([p.stored for p in pieces]) if entry.compression else raw
+    return replace(entry, data=data)
 
 
 def stored_offsets(c: Compression) -> list[int]:

@@ -5,9 +5,11 @@ Worker threads hash each part's chunk pieces and hand the part to the backend as
 buffers: views of the sources themselves (no copy) and zero padding. The file is completed
 (durable) before :func:`write_file` returns, or aborted (nothing left) when anything fails.
 
-With ``compress``, every chunk is first compressed (:mod:`.compress`, per checksum segment) on
-as many threads as this rank's share of the host's cores (at least ``io_threads`` where the
-cores allow); the stored chunks are then laid out back to back and written the same way.
+With ``compress``, the chunks are compressed (:mod:`.compress`, per checksum segment, in file
+order) on as many threads as this rank's share of the host's cores (at least ``io_threads``
+where the cores allow), and the stored segments are appended to a stream of the file
+(:meth:`~unickpt.storage.base.Storage.create_stream`) as they are done, back to back: the
+writing overlaps the compressing.
 """
 
 from __future__ import annotations
@@ -15,20 +17,22 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..config import Config
 from ..format.dtypes import buffer_of, byte_view
 from ..format.metadata import Compression
 from ..planning.save_plan import CHUNK_ALIGN, WriteItem
-from ..storage.base import Storage, WriteHandle
+from ..storage.base import Storage, StreamHandle, WriteHandle
 from .checksum import segment_digests
-from .compress import pack_all
+from .compress import Packed, Segment, chunk_entry, pack_segment, segment_starts
 from .memcpy import copy_threads
 from .parts import Part, PartRules, plan_parts
 from .timeline import Timeline, timed
@@ -139,33 +143,107 @@ def _write_compressed(
     flags: Sequence[bool],
     timeline: Timeline | None = None,
 ) -> WriteResult:
-    """Compress every item whose flag is set on the writer threads, lay the stored chunks out
-    back to back and write them (hashed already: the checksums cover the stored bytes)."""
+    """Compress every item whose flag is set, segment by segment on the compressing threads,
+    while the stored segments are appended to the file in order, back to back (each chunk at
+    the next multiple of ``CHUNK_ALIGN``): the save takes about the longer of compressing and
+    writing, not their sum. The checksums cover the stored bytes."""
     raws = [s.contiguous_bytes().reshape(-1).numpy() for s in sources]
     widths = [s.view.element_size() if f else 0 for s, f in zip(sources, flags)]
     cores = len(os.sched_getaffinity(0))  # compressing is bound by the cores, not the I/O
-    with timed(timeline, "compress"):
-        packed = pack_all(
-            raws, widths, config.segment_bytes, copy_threads(max(cores, config.io_threads))
-        )
-    laid, offset = [], 0
-    for it, p in zip(items, packed):
-        offset = -(-offset // CHUNK_ALIGN) * CHUNK_ALIGN
-        laid.append(WriteItem(it.key, it.box, offset, len(p.data)))
-        offset += len(p.data)
-    stored = [ItemSource(torch.from_numpy(p.data)) for p in packed]
-    placed = tuple((it.byte_offset, p.compression) for it, p in zip(laid, packed))
-    raw = tuple(p.raw_checksums for p in packed)
-    found = WriteResult(tuple(p.checksums for p in packed), 0, placed, raw)
+    threads = copy_threads(max(cores, config.io_threads))
+    t0 = time.perf_counter()
+    handle = storage.create_stream(name)
+    try:
+        stream = _CompressedStream(handle, config.segment_bytes, threads, progress, timeline)
+        entries, offsets = stream.write(raws, widths)
+        result = _compressed_result(entries, offsets, handle.nbytes)
+        if timeline is not None:
+            timeline.add("file", time.perf_counter() - t0)
+        with timed(timeline, "complete"):
+            _complete(handle, result, alongside)
+    except BaseException:
+        handle.abort()
+        raise
+    return result
 
-    def side(result: WriteResult) -> None:
-        if alongside is not None:
-            alongside(replace(found, nbytes=result.nbytes))
 
-    written = _write_items(
-        storage, name, laid, stored, config, progress, None, side, False, timeline=timeline
-    )
-    return replace(found, nbytes=written.nbytes)
+def _compressed_result(
+    entries: Sequence[Packed], offsets: Sequence[int], nbytes: int
+) -> WriteResult:
+    placed = tuple((at, p.compression) for at, p in zip(offsets, entries))
+    raw = tuple(p.raw_checksums for p in entries)
+    return WriteResult(tuple(p.checksums for p in entries), nbytes, placed, raw)
+
+
+class _CompressedStream:
+    """Chunks compressed segment by segment on ``threads`` threads in file order, each
+    stored segment appended to ``handle`` as soon as it and all before it are done. At most
+    ``2 * threads`` segments are being compressed or wait their turn, so the compressed bytes
+    held are bounded by ``2 * threads * segment`` (the raw bytes are the sources' own)."""
+
+    def __init__(
+        self,
+        handle: StreamHandle,
+        segment: int,
+        threads: int,
+        progress: Callable[[int, int], None] | None,
+        timeline: Timeline | None,
+    ) -> None:
+        self.handle, self.segment, self.threads = handle, segment, threads
+        self.progress, self.timeline = progress, timeline
+
+    def write(
+        self, raws: Sequence[np.ndarray], widths: Sequence[int]
+    ) -> tuple[list[Packed], list[int]]:
+        """Write every chunk; each one's index entry and byte offset in the file."""
+        segments: list[list[Segment]] = [[] for _ in raws]
+        offsets: list[int] = []
+        pending: deque[tuple[int, Future[Segment]]] = deque()
+        total, done = sum(len(r) for r in raws), 0
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="unickpt-compress")
+        try:
+            for i, (raw, width) in enumerate(zip(raws, widths)):
+                for start in segment_starts(len(raw), self.segment):
+                    while len(pending) >= 2 * self.threads:
+                        done += self._append(pending.popleft(), segments, offsets)
+                        self._report(done, total)
+                    piece = raw[start : start + self.segment]
+                    pending.append((i, pool.submit(self._pack, piece, width)))
+            while pending:
+                done += self._append(pending.popleft(), segments, offsets)
+                self._report(done, total)
+        finally:
+            pool.shutdown(cancel_futures=True)
+        return [chunk_entry(s, w) for s, w in zip(segments, widths)], offsets
+
+    def _pack(self, piece: np.ndarray, width: int) -> Segment:
+        with timed(self.timeline, "compress"):
+            return pack_segment(piece, width)
+
+    def _append(
+        self,
+        job: tuple[int, Future[Segment]],
+        segments: list[list[Segment]],
+        offsets: list[int],
+    ) -> int:
+        """Append the next stored segment (after the padding that aligns its chunk, when it
+        is the chunk's first); its raw size."""
+        i, fut = job
+        found = fut.result()
+        buffers = []
+        if not segments[i]:
+            pad = -self.handle.nbytes % CHUNK_ALIGN
+            buffers += _zeros(pad)
+            offsets.append(self.handle.nbytes + pad)
+        segments[i].append(found)
+        buffers.append(memoryview(found.stored))  # type: ignore[arg-type]
+        with timed(self.timeline, "write"):
+            self.handle.append(buffers)
+        return found.raw_nbytes
+
+    def _report(self, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(done, total)
 
 
 def _write_items(
@@ -243,7 +321,9 @@ def _write_items(
 
 
 def _complete(
-    handle: WriteHandle, result: WriteResult, alongside: Callable[[WriteResult], None] | None
+    handle: WriteHandle | StreamHandle,
+    result: WriteResult,
+    alongside: Callable[[WriteResult], None] | None,
 ) -> None:
     """Complete the file, with ``alongside(result)`` running meanwhile in another thread;
     both are done when this returns or raises (the completion's error first)."""

@@ -11,6 +11,9 @@ Who calls what, in order, for a save of one checkpoint folder:
    file's parts, then :meth:`WriteHandle.write_part` from the engine's threads (several at
    once, any order, parts handed out in index order), then :meth:`WriteHandle.complete`, or
    :meth:`WriteHandle.abort` on failure (possibly while other parts are still in flight);
+   or, where the parts' sizes are learnt only as they come (compressed saves), once per data
+   file :meth:`~Storage.create_stream`, then :meth:`StreamHandle.append` of its bytes in file
+   order, then :meth:`StreamHandle.complete`, or :meth:`StreamHandle.abort` on failure;
 3. every writing rank: :meth:`~Storage.write_atomic` for its index file;
 4. the coordinating rank: ``write_atomic`` of the metadata, then of ``COMMIT`` (last), then
    :meth:`~Storage.list_names` and :meth:`~Storage.remove` for files no checkpoint needs; then
@@ -159,6 +162,113 @@ class WriteHandle(ABC):
         """Remove whatever was written; called once, with no ``_write_part`` in flight."""
 
 
+class StreamHandle(ABC):
+    """One data file written front to back, its bytes handed over as they are made.
+
+    The engine calls :meth:`append` with the file's bytes in order (any number of buffers of
+    any size per call) and then :meth:`complete`, both from one thread; on failure
+    :meth:`abort` (idempotent; from any thread). The same promises hold as for a
+    :class:`WriteHandle`: nothing is under the file's name until :meth:`complete` returns,
+    the file is then durable where the backend can promise it, and nothing of it is left after
+    :meth:`abort`. Backends cut the bytes into the parts they need (S3: at least 5 MiB but the
+    last), so a caller's buffers are only valid during the call that hands them over.
+    """
+
+    def __init__(self, location: str) -> None:
+        self.location = location
+        self.nbytes = 0
+        """The bytes appended so far."""
+        self._aborted = False
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def append(self, buffers: Sequence[memoryview]) -> None:
+        """Write ``buffers`` after the bytes appended before (valid during the call)."""
+        if self._aborted:
+            raise CheckpointError(f"writing {self.location} was aborted.")
+        views = [_as_bytes(b) for b in buffers if b.nbytes]
+        if views:
+            self._append(views)
+            self.nbytes += sum(v.nbytes for v in views)
+
+    def complete(self) -> None:
+        """Make the file durable and visible under its name (every byte appended)."""
+        if self._aborted:
+            raise CheckpointError(f"writing {self.location} was aborted.")
+        try:
+            self._complete()
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Give up the file: nothing of it stays. Idempotent."""
+        if self._aborted:
+            return
+        self._aborted = True
+        self._discard()
+
+    @abstractmethod
+    def _append(self, buffers: list[memoryview]) -> None: ...
+
+    @abstractmethod
+    def _complete(self) -> None:
+        """Finish the file; on failure raise with the file still discardable."""
+
+    @abstractmethod
+    def _discard(self) -> None:
+        """Remove whatever was written (and stop whatever is in flight)."""
+
+
+class BufferedStream(StreamHandle):
+    """A stream for backends without one of their own: the bytes are held in memory, then
+    written through :meth:`Storage.create` as parts the backend takes when completed."""
+
+    def __init__(self, storage: Storage, name: str) -> None:
+        super().__init__(f"{storage.location}/{name}")
+        self._storage, self._name = storage, name
+        self._held: list[bytes] = []
+
+    def _append(self, buffers: list[memoryview]) -> None:
+        self._held.append(b"".join(buffers))
+
+    def _complete(self) -> None:
+        data = memoryview(b"".join(self._held))
+        self._held = []
+        sizes = stream_part_sizes(len(data), self._storage)
+        handle = self._storage.create(self._name, sizes)
+        try:
+            at = 0
+            for index, n in enumerate(sizes):
+                handle.write_part(index, [data[at : at + n]])
+                at += n
+        except BaseException:
+            handle.abort()
+            raise
+        handle.complete()
+
+    def _discard(self) -> None:
+        self._held = []
+
+
+STREAM_PART_BYTES = 16 << 20
+"""The part size a stream aims at (raised to the backend's ``min_part_bytes``)."""
+
+
+def stream_part_sizes(nbytes: int, storage: Storage) -> list[int]:
+    """Parts of ``nbytes`` that ``storage`` takes: :data:`STREAM_PART_BYTES` each (or what the
+    backend's minimum, maximum and part count ask for), the last one shorter."""
+    size = max(STREAM_PART_BYTES, storage.min_part_bytes, 1)
+    if storage.max_parts:
+        size = max(size, -(-nbytes // storage.max_parts))
+    if storage.max_part_bytes:
+        size = min(size, storage.max_part_bytes)
+    sizes = [size] * (nbytes // size)
+    return [*sizes, nbytes - len(sizes) * size] if nbytes % size or not sizes else sizes
+
+
 def _as_bytes(buf: memoryview) -> memoryview:
     return buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
 
@@ -218,6 +328,18 @@ class Storage(ABC):
     @abstractmethod
     def create(self, name: str, part_sizes: Sequence[int]) -> WriteHandle:
         """Start writing data file ``name`` as parts of these sizes (see :class:`WriteHandle`)."""
+
+    def create_stream(self, name: str) -> StreamHandle:
+        """Start writing data file ``name`` front to back, its size learnt as it comes (see
+        :class:`StreamHandle`). Here the bytes are held in memory and written through
+        :meth:`create` when completed; backends that can write as the bytes come override it."""
+        return BufferedStream(self, name)
+
+    def streams_through_create(self, base: type[Storage]) -> bool:
+        """Whether a subclass of backend ``base`` changes how :meth:`create` writes: its
+        streams then go through its :meth:`create` (:class:`BufferedStream`), not ``base``'s
+        own stream."""
+        return type(self).create is not base.create
 
     @abstractmethod
     def remove(self, name: str) -> None:

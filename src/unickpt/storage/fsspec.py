@@ -26,7 +26,7 @@ from typing import Any
 import fsspec
 
 from ..errors import CheckpointCorruptError, CheckpointError
-from .base import Storage, WriteHandle, check_name, is_temp_name, temp_name
+from .base import Storage, StreamHandle, WriteHandle, check_name, is_temp_name, temp_name
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,42 @@ class _SequentialWriteHandle(WriteHandle):
 
     def _discard(self) -> None:
         self._held.clear()
+        with contextlib.suppress(Exception):
+            self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            self._fs.rm_file(self._final if self._moved and self._final else self._path)
+
+
+class _StreamHandle(StreamHandle):
+    """A data file written front to back to one fsspec stream, moved onto its name once
+    closed (``final``; None: it stays where it is written, as on object stores)."""
+
+    def __init__(self, fs: Any, path: str, location: str, final: str | None = None) -> None:
+        super().__init__(location)
+        self._fs, self._path, self._final = fs, path, final
+        self._moved = False
+        try:
+            self._file = fs.open(path, "wb")
+        except Exception as e:
+            raise _fs_error(e, f"creating {location}") from e
+
+    def _append(self, buffers: list[memoryview]) -> None:
+        try:
+            for b in buffers:
+                self._file.write(b)
+        except Exception as e:
+            raise _fs_error(e, f"writing {self.location}") from e
+
+    def _complete(self) -> None:
+        try:
+            self._file.close()
+            if self._final is not None:
+                self._fs.mv(self._path, self._final)
+                self._moved = True
+        except Exception as e:
+            raise _fs_error(e, f"closing {self.location}") from e
+
+    def _discard(self) -> None:
         with contextlib.suppress(Exception):
             self._file.close()
         with contextlib.suppress(FileNotFoundError):
@@ -242,6 +278,17 @@ class FsspecStorage(Storage):
         return _SequentialWriteHandle(
             self.fs, temp, where, part_sizes, self.max_buffered_bytes, final=path
         )
+
+    def create_stream(self, name: str) -> StreamHandle:
+        """One fsspec stream written front to back (under a temporary name where files are
+        moved onto their own, see :attr:`renames`)."""
+        if self.streams_through_create(FsspecStorage):
+            return super().create_stream(name)
+        path = self._full(name)
+        self._ensure_root()
+        where = f"{self.location}/{name}"
+        temp = self._full(temp_name(name)) if self.renames else None
+        return _StreamHandle(self.fs, temp or path, where, path if temp else None)
 
     def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):

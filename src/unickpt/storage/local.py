@@ -18,7 +18,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointLockedError
-from .base import Storage, WriteHandle, check_name, is_temp_name, temp_name
+from .base import (
+    Storage,
+    StreamHandle,
+    WriteHandle,
+    check_name,
+    is_temp_name,
+    temp_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +202,49 @@ class LocalWriteHandle(WriteHandle):
             (self._path if self._renamed else self._temp).unlink(missing_ok=True)
 
 
+class LocalStreamHandle(StreamHandle):
+    """A data file written front to back under a temporary name (:func:`temp_name`); on
+    completion fsynced, renamed onto its name and the folder fsynced, as
+    :class:`LocalWriteHandle` does."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self._path = path
+        self._temp = path.with_name(temp_name(path.name))
+        self._renamed = False
+        try:
+            self._fd = os.open(self._temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as e:
+            raise _os_error(e, f"creating {path}") from e
+
+    def _append(self, buffers: list[memoryview]) -> None:
+        try:
+            pwritev_all(self._fd, buffers, self.nbytes)
+        except OSError as e:
+            raise _os_error(e, f"writing {self._path}") from e
+
+    def _complete(self) -> None:
+        try:
+            os.fsync(self._fd)
+            self._close()
+            os.replace(self._temp, self._path)
+            self._renamed = True
+            fsync_dir(self._path.parent)
+        except OSError as e:
+            raise _os_error(e, f"flushing {self._path}") from e
+
+    def _close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def _discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self._close()
+        with contextlib.suppress(OSError):
+            (self._path if self._renamed else self._temp).unlink(missing_ok=True)
+
+
 def _move(src: Path, dst: Path) -> bool:
     """Rename ``src`` to ``dst``; False when there is no ``src``."""
     try:
@@ -251,6 +301,14 @@ class LocalStorage(Storage):
     def create(self, name: str, part_sizes: Sequence[int]) -> WriteHandle:
         self.ensure_root()
         return LocalWriteHandle(self._path(name), part_sizes)
+
+    def create_stream(self, name: str) -> StreamHandle:
+        """A :class:`LocalStreamHandle` (a subclass whose :meth:`create` differs streams
+        through it instead)."""
+        if self.streams_through_create(LocalStorage):
+            return super().create_stream(name)
+        self.ensure_root()
+        return LocalStreamHandle(self._path(name))
 
     def _reader_fd(self, name: str) -> int:
         with self._lock:

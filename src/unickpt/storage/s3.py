@@ -18,12 +18,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from ..errors import CheckpointError
-from .base import Storage, WriteHandle, check_name
+from .base import STREAM_PART_BYTES, Storage, StreamHandle, WriteHandle, check_name
 from .registry import register_backend
 from .s3_client import (
     BufferStream,
@@ -54,8 +55,9 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
-class _MultipartHandle(WriteHandle):
-    """A data file of several parts: one multipart upload, parts uploaded in parallel.
+class _Upload:
+    """One multipart upload of object ``key``: started, parts uploaded (from several threads
+    at once), completed with the parts in order, or discarded.
 
     The upload declares the checksum its parts carry (CRC32, as boto3's transfer manager
     does), so the server checks each part against it and keeps a checksum of the object
@@ -64,9 +66,10 @@ class _MultipartHandle(WriteHandle):
     completed, a pass over every byte that delays the completion (moto does).
     """
 
-    def __init__(self, store: S3Storage, key: str, part_sizes: Sequence[int]) -> None:
-        super().__init__(f"s3://{store.bucket}/{key}", part_sizes, store.min_part_bytes)
+    def __init__(self, store: S3Storage, key: str) -> None:
+        self.location = f"s3://{store.bucket}/{key}"
         self._store, self._key = store, key
+        self._lock = threading.Lock()
         self._parts: dict[int, dict[str, Any]] = {}
         self._done = False
         self._checksum = store.checksum_algorithm()
@@ -89,7 +92,8 @@ class _MultipartHandle(WriteHandle):
             # a request sent again may have started an upload whose answer was lost
             store.abort_uploads_of(key, keep=self._upload_id)
 
-    def _write_part(self, index: int, buffers: list[memoryview]) -> None:
+    def upload_part(self, index: int, buffers: Sequence[memoryview]) -> None:
+        """Upload part ``index`` (0-based) from ``buffers``."""
         s = self._store
 
         def upload() -> Any:
@@ -107,11 +111,12 @@ class _MultipartHandle(WriteHandle):
         member = f"Checksum{self._checksum}"
         if self._checksum and resp.get(member):
             part[member] = str(resp[member])
-        with self._cond:
+        with self._lock:
             self._parts[index] = part
 
-    def _complete(self) -> None:
-        parts = [self._parts[i] for i in range(len(self.part_sizes))]
+    def complete(self, count: int, nbytes: int) -> None:
+        """Complete the upload of parts ``0 .. count - 1``, ``nbytes`` in all."""
+        parts = [self._parts[i] for i in range(count)]
         s = self._store
 
         def finish() -> None:
@@ -124,20 +129,20 @@ class _MultipartHandle(WriteHandle):
                 )
             except Exception as e:
                 # a retry after a lost answer finds the upload already completed
-                if error_code(e) != "NoSuchUpload" or not self._landed():
+                if error_code(e) != "NoSuchUpload" or not self._landed(nbytes):
                     raise
 
         self._completing = True  # from here on, the object may land even if the call fails
         s._call(f"completing the upload of {self.location}", finish)
         self._done = True
 
-    def _landed(self) -> bool:
+    def _landed(self, nbytes: int) -> bool:
         """Whether the object under the key is this upload, completed (the key is unique to
         this save, so an object of the file's size there is this one)."""
         head = self._store._head(self._key)
-        return head is not None and int(head.get("ContentLength", -1)) == self.nbytes
+        return head is not None and int(head.get("ContentLength", -1)) == nbytes
 
-    def _discard(self) -> None:
+    def discard(self) -> None:
         """Abort the upload; when it is gone because its completion landed (or may have),
         delete the object (the key is unique to this save)."""
         s = self._store
@@ -154,6 +159,115 @@ class _MultipartHandle(WriteHandle):
             cleanup()
         except CheckpointError as e:
             log.warning("%s; the next writer of %s removes it", e, self._store.location)
+
+
+class _MultipartHandle(WriteHandle):
+    """A data file of several parts: one multipart upload (:class:`_Upload`), parts uploaded
+    in parallel."""
+
+    def __init__(self, store: S3Storage, key: str, part_sizes: Sequence[int]) -> None:
+        super().__init__(f"s3://{store.bucket}/{key}", part_sizes, store.min_part_bytes)
+        self._upload = _Upload(store, key)
+
+    def _write_part(self, index: int, buffers: list[memoryview]) -> None:
+        self._upload.upload_part(index, buffers)
+
+    def _complete(self) -> None:
+        self._upload.complete(len(self.part_sizes), self.nbytes)
+
+    def _discard(self) -> None:
+        self._upload.discard()
+
+
+class _StreamHandle(StreamHandle):
+    """A data file written front to back: its bytes gathered into parts of
+    :func:`stream_part_bytes` and each uploaded, as soon as it is full, on the store's upload
+    threads (at most ``threads`` parts uploading, ``threads`` more held, then :meth:`append`
+    waits). A file that never fills one part is a single PUT when completed; a larger one a
+    multipart upload, started with its first part and completed last."""
+
+    def __init__(self, store: S3Storage, key: str, threads: int) -> None:
+        super().__init__(f"s3://{store.bucket}/{key}")
+        self._store, self._key = store, key
+        self._held: list[bytes] = []
+        self._held_bytes = 0
+        self._count = 0
+        self._upload: _Upload | None = None
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="unickpt-upload")
+        self._slots = threading.BoundedSemaphore(2 * threads)
+        self._futures: list[Future[None]] = []
+        self._put = False
+
+    def _append(self, buffers: list[memoryview]) -> None:
+        self._raise_failed()
+        self._held.append(b"".join(buffers))
+        self._held_bytes += len(self._held[-1])
+        if self._held_bytes < stream_part_bytes(self._count, self._store):
+            return
+        data, at = memoryview(b"".join(self._held)), 0
+        while len(data) - at >= (size := stream_part_bytes(self._count, self._store)):
+            self._send(data[at : at + size])
+            at += size
+        self._held, self._held_bytes = [bytes(data[at:])], len(data) - at
+
+    def _send(self, part: memoryview) -> None:
+        if self._upload is None:
+            self._upload = _Upload(self._store, self._key)
+        upload, index = self._upload, self._count
+        self._count += 1
+        self._slots.acquire()
+
+        def run() -> None:
+            try:
+                if not self.aborted:
+                    upload.upload_part(index, [part])
+            finally:
+                self._slots.release()
+
+        self._futures.append(self._pool.submit(run))
+
+    def _raise_failed(self) -> None:
+        for fut in self._futures:
+            if fut.done() and fut.exception() is not None:
+                fut.result()
+
+    def _complete(self) -> None:
+        rest = memoryview(b"".join(self._held))
+        self._held, self._held_bytes = [], 0
+        if self._upload is None:
+            s = self._store
+            self._put = True  # from here on, the object may land even if the call fails
+            s._call(
+                f"writing {self.location}",
+                lambda: s.client.put_object(Bucket=s.bucket, Key=self._key, Body=bytes(rest)),
+            )
+            self._pool.shutdown()
+            return
+        if len(rest):
+            self._send(rest)
+        for fut in self._futures:
+            fut.result()
+        self._pool.shutdown()
+        self._upload.complete(self._count, self.nbytes)
+
+    def _discard(self) -> None:
+        self._held = []
+        self._pool.shutdown(cancel_futures=True)  # waits for the parts uploading
+        if self._upload is not None:
+            self._upload.discard()
+        elif self._put:
+            try:  # a single PUT whose answer was lost, or an object completed then given up
+                self._store.remove_key(self._key, cleanup=True)
+            except CheckpointError as e:
+                log.warning("%s; the next save's debris removal deletes it", e)
+
+
+def stream_part_bytes(index: int, store: Storage) -> int:
+    """The size of part ``index`` of a streamed upload: :data:`~.base.STREAM_PART_BYTES`
+    (at least the store's minimum), doubled every 1,000 parts so that 10,000 parts hold any
+    file up to S3's largest object (5 TiB), at most the store's largest part."""
+    size = max(STREAM_PART_BYTES, store.min_part_bytes) << (index // 1000)
+    return min(size, store.max_part_bytes) if store.max_part_bytes else size
 
 
 class _SingleHandle(WriteHandle):
@@ -205,6 +319,8 @@ class S3Storage(Storage):
     min_part_bytes = 5 * MiB
     max_part_bytes = 5 * 1024 * MiB
     max_parts = 10_000
+    upload_threads = 4
+    """How many parts of a streamed data file (:meth:`create_stream`) upload at once."""
 
     def __init__(
         self,
@@ -349,6 +465,13 @@ class S3Storage(Storage):
         if len(part_sizes) == 1:
             return _SingleHandle(self, key, part_sizes)
         return _MultipartHandle(self, key, part_sizes)
+
+    def create_stream(self, name: str) -> StreamHandle:
+        """A streamed upload (parts uploaded as they fill, on ``upload_threads`` threads); a
+        subclass whose :meth:`create` differs streams through it instead."""
+        if self.streams_through_create(S3Storage):
+            return super().create_stream(name)
+        return _StreamHandle(self, self._key(name), self.upload_threads)
 
     def remove_key(self, key: str, cleanup: bool = False) -> None:
         """Delete object ``key``; ``cleanup``: after a failure, tried at least

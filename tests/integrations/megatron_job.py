@@ -12,6 +12,7 @@ Adam's ``step`` (``keep_adam_step``).
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import torch
@@ -30,12 +31,23 @@ def shim() -> None:
     )
 
 
-def init_parallel(tp: int, pp: int = 1) -> None:
+def shim_moe() -> None:
+    """Megatron's router GEMM names Transformer Engine's ``te_general_gemm``, defined only when
+    Transformer Engine is installed: ``None`` selects its torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+
+def init_parallel(tp: int, pp: int = 1, ep: int = 1, expert_tp: int | None = None) -> None:
     shim()
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=expert_tp,
     )
 
 
@@ -45,7 +57,8 @@ def destroy_parallel() -> None:
     parallel_state.destroy_model_parallel()
 
 
-def build_model(tp: int, pp: int = 1, seed: int = 0) -> Any:
+def build_model(tp: int, pp: int = 1, seed: int = 0, **moe: Any) -> Any:
+    """A GPTModel at (tp, pp); ``moe``: TransformerConfig's mixture-of-experts fields."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -54,6 +67,7 @@ def build_model(tp: int, pp: int = 1, seed: int = 0) -> Any:
 
     torch.manual_seed(seed)  # the same on every rank: replicated parameters agree
     config = TransformerConfig(
+        **moe,
         num_layers=2,
         hidden_size=HIDDEN,
         num_attention_heads=4,
@@ -71,7 +85,7 @@ def build_model(tp: int, pp: int = 1, seed: int = 0) -> Any:
     )
     return GPTModel(
         config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=get_gpt_layer_local_spec(moe.get("num_moe_experts")),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -379,3 +393,72 @@ def _dist_step(step: tuple[str, str, int, str]) -> dict[str, Any]:
 def dist_steps(rank: int, world: int, steps: list[tuple[str, str, int, str]]) -> list[Any]:
     """``_dist_step`` for each of ``steps`` (what, path, tp, sharding type), in order."""
     return [_dist_step(step) for step in steps]
+
+
+EXPERTS = 4
+
+
+def build_moe_model(tp: int, ep: int, expert_tp: int, seed: int) -> Any:
+    """The GPTModel with a mixture of experts in each layer: 4 SwiGLU experts (the local
+    spec's SequentialMLP), 2 chosen per token, split over ``ep`` expert-parallel ranks and
+    ``expert_tp`` tensor-parallel ranks; no biases (Megatron allows MoE biases only at
+    expert TP 1). Megatron initializes each expert-parallel rank's experts alike (expert 2 at
+    EP=2 equals expert 0): each expert's parameters are scaled by 1 + its global index, so
+    that an expert loaded in the place of another is seen."""
+    model = build_model(
+        tp,
+        seed=seed,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=8,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=expert_tp,
+        add_bias_linear=False,
+    )
+    with torch.no_grad():
+        for name, param in global_expert_names(model.named_parameters()).items():
+            param.mul_(1 + _expert_index(name))
+    return model
+
+
+def _expert_index(name: str) -> int:
+    """The global index of the expert a parameter belongs to; 0 for other parameters."""
+    found = re.search(r"\.experts\.(\d+)\.", name)
+    return int(found.group(1)) if found else 0
+
+
+def global_expert_names(named: Any) -> dict[str, Any]:
+    """``named`` (name, value pairs) with each local expert named by its global index:
+    ``experts.local_experts.{i}.`` -> ``experts.{e}.``."""
+    from megatron.core import parallel_state
+
+    per_rank = EXPERTS // parallel_state.get_expert_model_parallel_world_size()
+    first = parallel_state.get_expert_model_parallel_rank() * per_rank
+    return {
+        re.sub(r"local_experts\.(\d+)\.", lambda m: f"{first + int(m.group(1))}.", k): v
+        for k, v in named
+    }
+
+
+def _moe_step(step: tuple[str, str, int, int, int]) -> dict[str, Any]:
+    """Save (seed 1) or load (into a model of seed 2) the MoE model at (tp, ep, expert_tp);
+    its logits and parameters."""
+    from unickpt.integrations import megatron as um
+
+    what, path, tp, ep, expert_tp = step
+    init_parallel(tp, 1, ep, expert_tp)
+    shim_moe()
+    try:
+        model = build_moe_model(tp, ep, expert_tp, seed=1 if what == "save" else 2)
+        if what == "save":
+            um.save(model.sharded_state_dict(), path)
+        else:
+            model.load_state_dict(um.load(model.sharded_state_dict(), path))
+        return {"logits": logits(model), "params": global_expert_names(params(model).items())}
+    finally:
+        destroy_parallel()
+
+
+def moe_steps(rank: int, world: int, steps: list[tuple[str, str, int, int, int]]) -> list[Any]:
+    """``_moe_step`` for each of ``steps`` (what, path, tp, ep, expert tp), in order."""
+    return [_moe_step(step) for step in steps]

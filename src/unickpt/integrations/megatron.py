@@ -12,9 +12,11 @@ What maps to what:
 
 - a ``ShardedTensor`` is a :class:`unickpt.ShardedTensor` block of the global tensor named by its
   key. Axes prepended by Megatron (``prepend_axis_num``: the layer of a stacked layer, the
-  expert) are folded into the key, ``{key}.{layer}``, so each layer is a tensor of its own and a
-  pipeline stage holding other layers loads it. ``replica_id`` is not needed: blocks held alike
-  by several ranks are written once and loaded by all;
+  expert) are folded into the key, ``{key}.{layer}`` and ``{key}.{layer}.{expert}`` with the
+  expert's global index (SequentialMLP's experts), so each layer and expert is a tensor of its
+  own and a pipeline stage or expert-parallel rank holding others loads it. ``replica_id`` is
+  not needed: blocks held alike by several ranks (data-parallel replicas, an expert's replicas
+  over its expert-data-parallel group) are written once and loaded by all;
 - a ``ShardedTensorFactory`` (SwiGLU's ``linear_fc1``) is built into its ShardedTensors; blocks
   of one key held in one local tensor (the gate and up rows) become one :class:`unickpt.Fused`
   leaf whose pieces are boxes of that key, loaded in place; the factory's ``merge_fn`` then gives

@@ -6,7 +6,8 @@ Megatron-Core expects CUDA in three places; the test replaces them for the run (
 the forward pass gets an explicit causal ``attention_mask``. The library is not touched.
 For the DistributedOptimizer, its construction sees ``torch.cuda.*`` parameter types
 (``build_dist_optimizer``), ``fully_reshardable`` gathers through gloo, and a load keeps torch
-Adam's ``step`` (``keep_adam_step``).
+Adam's ``step`` (``keep_adam_step``). The mixture-of-experts model's router finds its torch GEMM
+(``shim_moe``).
 """
 
 from __future__ import annotations

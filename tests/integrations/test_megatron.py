@@ -7,7 +7,9 @@ saved model's bitwise. The logits equal the saved model's to float32 rounding (t
 sums its row-parallel products in another order than TP=1; measured difference about 3e-8).
 Megatron's DistributedOptimizer reshards over data parallelism (``dp_reshardable``) and over
 tensor and data parallelism (``fully_reshardable``), its state bitwise; the sharding types that
-do not reshard are refused.
+do not reshard are refused. The GPTModel with a mixture of experts (SequentialMLP experts, top-2
+router) reshards over expert parallelism (EP=2 <-> EP=1) and expert tensor parallelism, every
+expert and the router bitwise.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.distributed import preload
+
 # Long multi-process and soak tests (a minute or more each on 2 cores): run in CI and with
 # UNICKPT_ALL_TESTS=1 (scripts/check), left out of a developer's quick run. Whole modules are
 # named here; single tests are marked ``@pytest.mark.slow`` where they stand.
@@ -20,6 +22,9 @@ SLOW_MODULES = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("megatron" in item.nodeid for item in items):
+        # Megatron-Core's import takes about 5 CPU seconds; its tests start many ranks
+        preload("megatron.core")
     slow = pytest.mark.slow
     for item in items:
         if item.nodeid.split("::", 1)[0] in SLOW_MODULES:

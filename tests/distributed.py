@@ -30,6 +30,13 @@ import torch.multiprocessing as mp
 PRELOAD = ["torch", "torch.distributed", "unickpt"]
 
 
+def preload(*modules: str) -> None:
+    """Have the fork server import ``modules`` too, for the ranks of a session that import them
+    (called before the server starts, as it does at the first ranks; later calls change nothing
+    for a server already running). A module that cannot be imported is left out."""
+    PRELOAD.extend(m for m in modules if m not in PRELOAD)
+
+
 def context() -> multiprocessing.context.BaseContext:
     """The start method of the ranks: forked from a server that has imported ``PRELOAD``."""
     ctx = mp.get_context("forkserver")

@@ -9,11 +9,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import unickpt
+from tests.distributed import run_ranks
 from unickpt.engine.staging import ARENA
 from unickpt.errors import CheckpointError, CheckpointNotFoundError
 from unickpt.storage.base import WriteHandle
@@ -198,3 +200,35 @@ def test_a_ring_smaller_than_the_storage_parts_is_refused_with_the_budget_it_nee
 def test_a_bad_staging_budget_is_refused(tmp_path: Path, value: object, found: str) -> None:
     with pytest.raises(CheckpointError, match=found):
         unickpt.async_save(tmp_path / "x", _state(), staging_bytes=value)  # type: ignore[arg-type]
+
+
+def _staged_on_ranks(rank: int, world: int, root: str, fail: bool) -> dict[str, Any]:
+    """Each rank saves its rows of 'w' and its own 'r{rank}' through a 2 MiB ring; with
+    ``fail``, rank 1's third part fails."""
+    full = torch.arange(4_000_000, dtype=torch.float32).reshape(4000, 1000)
+    rows = full[rank * 2000 : (rank + 1) * 2000]
+    state = {
+        "w": unickpt.ShardedTensor(rows, (4000, 1000), (rank * 2000, 0)),
+        f"r{rank}": unickpt.PerRank(torch.full((500_000,), float(rank))),
+    }
+    storage = GatedStorage(f"{root}/ckpt", open_gate=True)
+    if fail and rank == 1:
+        storage.fail_part = 2
+    fut = unickpt.async_save(storage, state, staging_bytes=2 * MiB, background_snapshot=True)
+    try:
+        fut.wait()
+    except CheckpointError as e:
+        return {"error": str(e), "snapshot_done": fut.snapshot_done()}
+    return {"error": None, "snapshot_done": fut.snapshot_done()}
+
+
+def test_ranks_save_through_their_rings_and_fail_together(tmp_path: Path) -> None:
+    ok = run_ranks(2, _staged_on_ranks, str(tmp_path / "ok"), False)
+    assert ok == [{"error": None, "snapshot_done": True}] * 2
+    whole = torch.zeros(4000, 1000)
+    unickpt.load(tmp_path / "ok" / "ckpt", {"w": whole}, strict=False)
+    assert torch.equal(whole, torch.arange(4_000_000, dtype=torch.float32).reshape(4000, 1000))
+    bad = run_ranks(2, _staged_on_ranks, str(tmp_path / "bad"), True)
+    assert all(r["snapshot_done"] for r in bad)
+    assert all("injected failure writing part 2" in r["error"] for r in bad), bad
+    assert not (tmp_path / "bad" / "ckpt" / "COMMIT").exists()

@@ -31,7 +31,7 @@ PRELOAD = ["torch", "torch.distributed", "unickpt"]
 
 
 def preload(*modules: str) -> None:
-    """Have the fork server import ``modules`` too, for the ranks of a session that import them
+    """Have the fork server import ``modules`` too, for the ranks of a test run that import them
     (called before the server starts, as it does at the first ranks; later calls change nothing
     for a server already running). A module that cannot be imported is left out."""
     PRELOAD.extend(m for m in modules if m not in PRELOAD)

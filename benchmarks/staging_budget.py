@@ -9,7 +9,7 @@ waited for before the next round, outside the timing) against plain iterations j
   budgets with ``background_snapshot=True`` (zero-stall: the next optimizer step waits);
 - ``dcp`` ``torch.distributed.checkpoint.async_save`` (thread executor, its default stager);
 - ``torchsnapshot`` ``Snapshot.async_take`` with its per-rank memory budget at 1/4 of the state
-  (when it is installed; it takes each rank's local shards).
+  (when it is installed; it takes each rank's local shards of the model and the optimizer).
 
 Peak extra memory is measured apart, over saves waited for at once (no training meanwhile, so
 activations do not count): the rank's resident high-water mark (``VmHWM``, reset through
@@ -107,13 +107,21 @@ def _torchsnapshot(budget: int) -> Saver | None:
     os.environ["TORCHSNAPSHOT_PER_RANK_MEMORY_BUDGET_BYTES"] = str(budget)
 
     def save(path: str, state: TrainState) -> Any:
-        local = {}
+        local: dict[str, torch.Tensor] = {}  # torchsnapshot takes no DTensor: local shards
         for name, p in state.model.named_parameters():
-            local[f"model.{name}"] = p.data.to_local() if hasattr(p.data, "to_local") else p.data
+            local[f"model.{name}"] = _local(p.data)
+            for key, value in state.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    local[f"optimizer.{name}.{key}"] = _local(value)
         holder = torchsnapshot.StateDict(**local)
         return torchsnapshot.Snapshot.async_take(path, {"s": holder})
 
     return save
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def _wait(handle: Any) -> None:
@@ -158,6 +166,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) ->
     nbytes = _state_bytes(state)
     results: dict[str, Any] = {"state_bytes_per_rank": int(slowest(float(nbytes)))}
     for name, saver in _systems(nbytes, group):
+        if args.systems and not any(name.startswith(p) for p in args.systems.split(",")):
+            continue
         if saver is None:
             results[name] = "not installed"
             continue
@@ -195,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument(
+        "--systems", default="", help="comma-separated name prefixes to run (default: all)"
+    )
     parser.add_argument("--workdir", default=None, help="checkpoint folder (default: a temp one)")
     args = parser.parse_args(argv)
     own = args.workdir is None

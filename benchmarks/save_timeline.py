@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import run_world
 
 import unickpt
 import unickpt.storage.local as local_storage
@@ -59,8 +58,7 @@ def _probe(path: str, buffer: memoryview) -> None:
         os.close(fd)
 
 
-def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(rank: int, world: int, args: argparse.Namespace, q: Any) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     state = build_train_state(config_for_params(parse_param_count(args.params)), "shard0", 256)
@@ -111,19 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     own = args.workdir is None
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="unickpt-timeline-", dir="/var/tmp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank, args=(r, args.world, port, args, q)) for r in range(args.world)
-    ]
-    for p in procs:
-        p.start()
-    per_rank = q.get(timeout=3600)
-    for p in procs:
-        p.join()
+    per_rank = run_world(args.world, _rank, args)
     if own:
         shutil.rmtree(args.workdir, ignore_errors=True)
     ranks = []

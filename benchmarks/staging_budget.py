@@ -27,7 +27,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import run_world
 
 import unickpt
 from unickpt.bench.config import parse_param_count
@@ -157,8 +156,7 @@ def _peak_extra(saver: Saver, state: TrainState, path: str, rounds: int) -> floa
     return slowest(float(_status("VmHWM") - rss0))
 
 
-def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(rank: int, world: int, args: argparse.Namespace, q: Any) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(max(1, args.threads))
     state = build_train_state(config_for_params(parse_param_count(args.params)), "shard0", 256)
@@ -212,22 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     own = args.workdir is None
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="unickpt-staging-")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     # A fixed threshold: every large buffer is its own mapping, returned to the system when
     # freed, so one system's freed staging memory does not hide the next one's.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank, args=(r, args.world, port, args, q)) for r in range(args.world)
-    ]
-    for p in procs:
-        p.start()
-    results = q.get(timeout=3600)
-    for p in procs:
-        p.join()
+    results = run_world(args.world, _rank, args)
     if own:
         shutil.rmtree(args.workdir, ignore_errors=True)
     out = {"params": args.params, "world": args.world, "rounds": args.rounds, **results}

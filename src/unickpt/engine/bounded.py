@@ -25,6 +25,7 @@ from ..errors import CheckpointError
 from ..format.dtypes import buffer_of, byte_view
 from .parts import Part
 from .staging import StagingArena, needs_pinned
+from .write import rows_copy
 
 _RING_PARTS = 6
 """About how many parts the ring holds at once: enough for the writer threads and the copy."""
@@ -233,18 +234,4 @@ def _span_bytes(view: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
     if view.is_contiguous():
         return byte_view(view).reshape(-1)[start : start + nbytes]
     size = view.element_size()
-    first, end = start // size, (start + nbytes) // size
-    return byte_view(_rows(view, first, end))
-
-
-def _rows(view: torch.Tensor, first: int, end: int) -> torch.Tensor:
-    """Elements ``[first, end)`` of ``view`` in row-major order, contiguous on its device,
-    copying only the leading-dimension rows that hold them."""
-    if view.dim() <= 1:
-        return view.reshape(-1)[first:end].contiguous()
-    inner = max(1, view[0].numel())
-    r0, r1 = first // inner, -(-end // inner)
-    if r1 - r0 == 1:
-        return _rows(view[r0], first - r0 * inner, end - r0 * inner)
-    rows = view[r0:r1].contiguous().reshape(-1)
-    return rows[first - r0 * inner : end - r0 * inner]
+    return byte_view(rows_copy(view, start // size, (start + nbytes) // size, view.device))

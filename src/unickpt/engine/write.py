@@ -398,16 +398,19 @@ def _write_part(
     return out
 
 
-def rows_copy(view: torch.Tensor, first: int, end: int) -> torch.Tensor:
-    """Elements ``[first, end)`` of ``view`` in row-major order, as a contiguous CPU tensor,
-    copying only the leading-dimension rows that hold them (descending into a single row)."""
+def rows_copy(
+    view: torch.Tensor, first: int, end: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Elements ``[first, end)`` of ``view`` in row-major order, as a contiguous tensor on
+    ``device``, copying only the leading-dimension rows that hold them (descending into a
+    single row)."""
     if view.dim() <= 1:
-        return view.reshape(-1)[first:end].to("cpu").contiguous()
+        return view.reshape(-1)[first:end].to(device).contiguous()
     inner = max(1, view[0].numel())
     r0, r1 = first // inner, -(-end // inner)
     if r1 - r0 == 1:
-        return rows_copy(view[r0], first - r0 * inner, end - r0 * inner)
-    rows = view[r0:r1].to("cpu").contiguous().reshape(-1)
+        return rows_copy(view[r0], first - r0 * inner, end - r0 * inner, device)
+    rows = view[r0:r1].to(device).contiguous().reshape(-1)
     return rows[first - r0 * inner : end - r0 * inner]
 
 

@@ -46,7 +46,49 @@ def _fs_error(e: Exception, what: str) -> CheckpointError:
     return CheckpointError(f"{what} failed: {type(e).__name__}: {e}; check the URL and access.")
 
 
-class _SequentialWriteHandle(WriteHandle):
+class _OneStream:
+    """One fsspec stream ``_file`` at ``_path``, moved onto ``_final`` once closed (None: it
+    stays where it is written, as on object stores); removed when discarded."""
+
+    _fs: Any
+    _path: str
+    _final: str | None
+    _moved: bool
+    _file: Any
+    location: str
+
+    def _open(self, fs: Any, path: str, final: str | None) -> None:
+        self._fs, self._path, self._final = fs, path, final
+        self._moved = False
+        try:
+            self._file = fs.open(path, "wb")
+        except Exception as e:
+            raise _fs_error(e, f"creating {self.location}") from e
+
+    def _stream(self, buffers: Sequence[memoryview | bytes]) -> None:
+        try:
+            for b in buffers:
+                self._file.write(b)
+        except Exception as e:
+            raise _fs_error(e, f"writing {self.location}") from e
+
+    def _close_and_move(self) -> None:
+        try:
+            self._file.close()
+            if self._final is not None:
+                self._fs.mv(self._path, self._final)
+                self._moved = True
+        except Exception as e:
+            raise _fs_error(e, f"closing {self.location}") from e
+
+    def _remove(self) -> None:
+        with contextlib.suppress(Exception):
+            self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            self._fs.rm_file(self._final if self._moved and self._final else self._path)
+
+
+class _SequentialWriteHandle(_OneStream, WriteHandle):
     """Parts written to one fsspec stream in index order; early parts held, bounded."""
 
     def __init__(
@@ -60,16 +102,11 @@ class _SequentialWriteHandle(WriteHandle):
     ) -> None:
         """Write to ``path``; ``final``: the name it is moved to once complete (None: stays)."""
         super().__init__(location, part_sizes, 0)
-        self._fs, self._path, self._final = fs, path, final
-        self._moved = False
         self._max_buffered = max_buffered
         self._next = 0
         self._held: dict[int, list[bytes]] = {}
         self._held_bytes = 0
-        try:
-            self._file = fs.open(path, "wb")
-        except Exception as e:
-            raise _fs_error(e, f"creating {location}") from e
+        self._open(fs, path, final)
 
     def _write_part(self, index: int, buffers: list[memoryview]) -> None:
         size = self.part_sizes[index]
@@ -92,66 +129,32 @@ class _SequentialWriteHandle(WriteHandle):
                 self._next += 1
             self._cond.notify_all()
 
-    def _stream(self, buffers: Sequence[memoryview | bytes]) -> None:
-        try:
-            for b in buffers:
-                self._file.write(b)
-        except Exception as e:
-            raise _fs_error(e, f"writing {self.location}") from e
-
     def _complete(self) -> None:
         if self._next != len(self.part_sizes):
             raise AssertionError(f"{self.location}: completed with parts missing")
-        try:
-            self._file.close()
-            if self._final is not None:
-                self._fs.mv(self._path, self._final)
-                self._moved = True
-        except Exception as e:
-            raise _fs_error(e, f"closing {self.location}") from e
+        self._close_and_move()
 
     def _discard(self) -> None:
         self._held.clear()
-        with contextlib.suppress(Exception):
-            self._file.close()
-        with contextlib.suppress(FileNotFoundError):
-            self._fs.rm_file(self._final if self._moved and self._final else self._path)
+        self._remove()
 
 
-class _StreamHandle(StreamHandle):
+class _StreamHandle(_OneStream, StreamHandle):
     """A data file written front to back to one fsspec stream, moved onto its name once
     closed (``final``; None: it stays where it is written, as on object stores)."""
 
     def __init__(self, fs: Any, path: str, location: str, final: str | None = None) -> None:
         super().__init__(location)
-        self._fs, self._path, self._final = fs, path, final
-        self._moved = False
-        try:
-            self._file = fs.open(path, "wb")
-        except Exception as e:
-            raise _fs_error(e, f"creating {location}") from e
+        self._open(fs, path, final)
 
     def _append(self, buffers: list[memoryview]) -> None:
-        try:
-            for b in buffers:
-                self._file.write(b)
-        except Exception as e:
-            raise _fs_error(e, f"writing {self.location}") from e
+        self._stream(buffers)
 
     def _complete(self) -> None:
-        try:
-            self._file.close()
-            if self._final is not None:
-                self._fs.mv(self._path, self._final)
-                self._moved = True
-        except Exception as e:
-            raise _fs_error(e, f"closing {self.location}") from e
+        self._close_and_move()
 
     def _discard(self) -> None:
-        with contextlib.suppress(Exception):
-            self._file.close()
-        with contextlib.suppress(FileNotFoundError):
-            self._fs.rm_file(self._final if self._moved and self._final else self._path)
+        self._remove()
 
 
 class FsspecStorage(Storage):

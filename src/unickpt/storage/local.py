@@ -149,7 +149,38 @@ def _mounted_type(dev: int) -> str:
     return ""
 
 
-class LocalWriteHandle(WriteHandle):
+class _TempFile:
+    """A file written under a temporary name beside ``_path`` through descriptor ``_fd``; on
+    completion fsynced, renamed onto its name and the folder fsynced; discarded: removed."""
+
+    _path: Path
+    _temp: Path
+    _fd: int
+    _renamed: bool
+
+    def _complete(self) -> None:
+        try:
+            os.fsync(self._fd)
+            self._close()
+            os.replace(self._temp, self._path)
+            self._renamed = True
+            fsync_dir(self._path.parent)
+        except OSError as e:
+            raise _os_error(e, f"flushing {self._path}") from e
+
+    def _close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def _discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self._close()
+        with contextlib.suppress(OSError):
+            (self._path if self._renamed else self._temp).unlink(missing_ok=True)
+
+
+class LocalWriteHandle(_TempFile, WriteHandle):
     """A data file written under a temporary name in its folder (:func:`temp_name`) through
     one descriptor, parts with ``pwritev`` from many threads at once; on completion fsynced,
     renamed onto its name and the folder fsynced. Until then nothing is under its name.
@@ -180,31 +211,10 @@ class LocalWriteHandle(WriteHandle):
             pwritev_all(self._fd, buffers, self.offsets[index])
         except OSError as e:
             raise _os_error(e, f"writing {self._path}") from e
-        start_writeback(self._fd, self.offsets[index], sum(b.nbytes for b in buffers))
-
-    def _complete(self) -> None:
-        try:
-            os.fsync(self._fd)
-            self._close()
-            os.replace(self._temp, self._path)
-            self._renamed = True
-            fsync_dir(self._path.parent)
-        except OSError as e:
-            raise _os_error(e, f"flushing {self._path}") from e
-
-    def _close(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-    def _discard(self) -> None:
-        with contextlib.suppress(OSError):
-            self._close()
-        with contextlib.suppress(OSError):
-            (self._path if self._renamed else self._temp).unlink(missing_ok=True)
+        start_writeback(self._fd, self.offsets[index], self.part_sizes[index])
 
 
-class LocalStreamHandle(StreamHandle):
+class LocalStreamHandle(_TempFile, StreamHandle):
     """A data file written front to back under a temporary name (:func:`temp_name`); on
     completion fsynced, renamed onto its name and the folder fsynced, as
     :class:`LocalWriteHandle` does."""
@@ -224,27 +234,6 @@ class LocalStreamHandle(StreamHandle):
             pwritev_all(self._fd, buffers, self.nbytes)
         except OSError as e:
             raise _os_error(e, f"writing {self._path}") from e
-
-    def _complete(self) -> None:
-        try:
-            os.fsync(self._fd)
-            self._close()
-            os.replace(self._temp, self._path)
-            self._renamed = True
-            fsync_dir(self._path.parent)
-        except OSError as e:
-            raise _os_error(e, f"flushing {self._path}") from e
-
-    def _close(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-    def _discard(self) -> None:
-        with contextlib.suppress(OSError):
-            self._close()
-        with contextlib.suppress(OSError):
-            (self._path if self._renamed else self._temp).unlink(missing_ok=True)
 
 
 def _move(src: Path, dst: Path) -> bool:

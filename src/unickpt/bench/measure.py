@@ -201,6 +201,7 @@ class PeakMemory:
         self._baseline_self = 0
         self._peak_tree = 0
         self._hwm_exact = False
+        self._interval = 0  # bumped at each split: a sample read before it belongs to the last
         self.extra_bytes = 0
         self.peak_bytes = 0  # absolute: the level at entry (or at the last split) plus extra
 
@@ -216,6 +217,7 @@ class PeakMemory:
             self._baseline_self = _rss_bytes(os.getpid())
             self._baseline_tree = tree_bytes
             self._peak_tree = tree_bytes
+            self._interval += 1
 
     def _sample(self) -> None:
         root = os.getpid()
@@ -225,9 +227,12 @@ class PeakMemory:
             if time.monotonic() - last_scan > _RESCAN_S:
                 children = descendants(root)
                 last_scan = time.monotonic()
+            with self._lock:
+                interval = self._interval
             level = _tree_bytes(root, children)
             with self._lock:
-                self._peak_tree = max(self._peak_tree, level)
+                if interval == self._interval:  # not a level read before a split
+                    self._peak_tree = max(self._peak_tree, level)
 
     def _finish(self, tree_bytes: int) -> None:
         with self._lock:

@@ -1,9 +1,24 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tests.distributed import preload
+
+# No test reaches a model hub: set before anything imports huggingface_hub or datasets, which
+# read these once, at import (in this process and in the fork server the ranks start from).
+for _offline in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_offline, "1")
+
+# What the ranks of some test modules import, at several CPU seconds a process: when such a
+# test is collected, the fork server imports it once for every rank (``tests/distributed.py``).
+RANK_IMPORTS = {
+    "megatron": ("megatron.core",),
+    "torchtitan": ("tests.integrations.titan_job",),
+    "titan_loader": ("tests.integrations.titan_job",),
+}
 
 # Long multi-process and soak tests (a minute or more each on 2 cores): run in CI and with
 # UNICKPT_ALL_TESTS=1 (scripts/check), left out of a developer's quick run. Whole modules are
@@ -22,9 +37,9 @@ SLOW_MODULES = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if any("megatron" in item.nodeid for item in items):
-        # Megatron-Core's import takes about 5 CPU seconds; its tests start many ranks
-        preload("megatron.core")
+    for word, modules in RANK_IMPORTS.items():
+        if any(word in item.nodeid for item in items):
+            preload(*modules)
     slow = pytest.mark.slow
     for item in items:
         if item.nodeid.split("::", 1)[0] in SLOW_MODULES:

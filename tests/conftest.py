@@ -18,6 +18,8 @@ RANK_IMPORTS = {
     "megatron": ("megatron.core",),
     "torchtitan": ("tests.integrations.titan_job",),
     "titan_loader": ("tests.integrations.titan_job",),
+    "test_huggingface": ("transformers", "unickpt.integrations.huggingface"),
+    "test_lightning": ("lightning", "unickpt.integrations.lightning"),
 }
 
 # Long multi-process and soak tests (a minute or more each on 2 cores): run in CI and with

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 import unickpt
-from tests.api.layouts_zoo import LAYOUTS, global_tensors, local_of, zeroed
+from tests.api.fresh_leaves import filled_like
+from tests.api.layouts_zoo import LAYOUTS, global_tensors, local_of
 from tests.distributed import run_ranks
 
 WORLDS = (1, 2, 3, 4)
@@ -24,29 +23,10 @@ def _save(rank: int, world: int, path: str) -> None:
     unickpt.save(path + "-replicated", replicated)
 
 
-def _blank_like(leaf: Any) -> Any:
-    """A new leaf of ``leaf``'s layout, every element a sentinel, made without communication
-    (``distribute_tensor`` is a collective: making each destination anew for each of the 28
-    loads of a run was most of its time)."""
-    if isinstance(leaf, DTensor):
-        local = torch.full_like(leaf.to_local(), -7)
-        return DTensor.from_local(
-            local, leaf.device_mesh, leaf.placements, shape=leaf.shape, stride=leaf.stride()
-        )
-    if isinstance(leaf, unickpt.ShardedTensor):
-        return unickpt.ShardedTensor(
-            torch.full_like(leaf.local, -7), leaf.global_shape, leaf.offsets
-        )
-    if isinstance(leaf, unickpt.FlatShard):
-        return unickpt.FlatShard(
-            torch.full_like(leaf.local, -7), leaf.global_shape, leaf.flat_offset
-        )
-    return zeroed(leaf.clone())
-
-
 def _load_all(rank: int, world: int, root: str) -> list[str]:
     tensors = global_tensors()
-    # each destination layout of each tensor, made once: the values every load must give
+    # each destination layout of each tensor, made once (a DTensor is made by a collective):
+    # the values every load must give; each load goes into fresh leaves of these layouts
     wanted = {
         dest: {n: make(t, rank, world) for n, t in tensors.items()}
         for dest, make in LAYOUTS.items()
@@ -55,7 +35,7 @@ def _load_all(rank: int, world: int, root: str) -> list[str]:
     for saved_world in WORLDS:
         path = f"{root}/w{saved_world}"
         for dest_name, made in wanted.items():
-            state = {lay: {n: _blank_like(leaf) for n, leaf in made.items()} for lay in LAYOUTS}
+            state = {lay: {n: filled_like(leaf, -7) for n, leaf in made.items()} for lay in LAYOUTS}
             unickpt.load(path, state)
             for lay in LAYOUTS:
                 for n, leaf in made.items():

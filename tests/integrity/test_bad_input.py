@@ -11,8 +11,6 @@ import functools
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import warnings
 import zlib
@@ -24,6 +22,7 @@ import torch
 from xxhash import xxh3_64_hexdigest
 
 import unickpt
+from tests.distributed import start_process
 from tests.integrity._helpers import (
     debris,
     metadata_path,
@@ -451,35 +450,60 @@ def test_chunk_without_checksums(saved: Path) -> None:
     assert "2 checksums; its box and dtype need 48 bytes and 1 checksums" in str(info.value)
 
 
-# The process's own high-water mark (VmHWM, reset by exec): ru_maxrss also counts the parent's
-# memory at the fork, which is the whole test session's when the suite runs in one process.
-_PEAK_SCRIPT = """
-import sys
-import torch, unickpt
-def peak_mib():
+def _peak_mib() -> float:
+    """This process's high-water mark of resident memory (VmHWM), in MiB."""
     with open("/proc/self/status") as f:
         line = next(line for line in f if line.startswith("VmHWM:"))
     return int(line.split()[1]) / 1024
-before = peak_mib()
-state = {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(5, dtype=torch.int64)}, "step": -1}
-try:
-    unickpt.load(sys.argv[1], state)
-    outcome = "loaded"
-except unickpt.CheckpointError as e:
-    outcome = f"{type(e).__name__}: {e}"
-print(f"{before:.0f} {peak_mib():.0f} {outcome}")
-"""
+
+
+def _measure_load(path: str, out: str) -> None:
+    """In a process forked from the ranks' fork server (torch and unickpt imported): reset the
+    high-water mark to what is resident now (writing 5 to clear_refs; ru_maxrss would count
+    the fork server's memory, and it cannot be reset), load ``path`` into a small state and
+    write "<MiB before> <peak MiB> <outcome>" to ``out``."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _peak_mib()
+    state = {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(5, dtype=torch.int64)}, "step": -1}
+    try:
+        unickpt.load(path, state)
+        outcome = "loaded"
+    except unickpt.CheckpointError as e:
+        outcome = f"{type(e).__name__}: {e}"
+    Path(out).write_text(f"{before:.0f} {_peak_mib():.0f} {outcome}")
+
+
+def _load_in_a_fresh_process(path: Path) -> str:
+    """The line of :func:`_measure_load`, from a new process."""
+    out = path.with_name("peak.txt")
+    proc = start_process(_measure_load, str(path), str(out))
+    proc.join(timeout=240)
+    if proc.is_alive():
+        proc.kill()
+        raise AssertionError(f"loading {path} did not end within 240 s")
+    assert proc.exitcode == 0 and out.exists(), f"the loading process ended with {proc.exitcode}"
+    return out.read_text()
+
+
+_PIECE = 8 << 20
 
 
 @functools.cache
 def _zeros_packed(nbytes: int) -> str:
-    """Base64 of ``nbytes`` zero bytes, deflated (1000 times smaller), made in pieces."""
+    """Base64 of ``nbytes`` (a multiple of 8 MiB) zero bytes, deflated (1000 times smaller).
+
+    Deflating gigabytes takes seconds, so one 8 MiB piece is deflated and the stream repeats
+    its bytes: after a full flush the compressor starts afresh, byte-aligned, so each further
+    piece deflates to the same bytes. The stream ends with the Adler-32 of all the zeros
+    (its sum A stays 1; B adds A once a byte)."""
+    assert nbytes % _PIECE == 0, nbytes
     deflate = zlib.compressobj(9)
-    piece = bytes(64 << 20)
-    parts = [
-        deflate.compress(piece[: min(len(piece), nbytes - i)]) for i in range(0, nbytes, len(piece))
-    ]
-    return base64.b64encode(b"".join(parts) + deflate.flush()).decode("ascii")
+    first = deflate.compress(bytes(_PIECE)) + deflate.flush(zlib.Z_FULL_FLUSH)
+    again = deflate.compress(bytes(_PIECE)) + deflate.flush(zlib.Z_FULL_FLUSH)
+    end = deflate.flush()[:-4] + (((nbytes % 65521) << 16) | 1).to_bytes(4, "big")
+    packed = first + again * (nbytes // _PIECE - 1) + end
+    return base64.b64encode(packed).decode("ascii")
 
 
 @pytest.mark.timeout(300)
@@ -498,14 +522,7 @@ def test_chunk_map_that_inflates_to_gigabytes(saved: Path, declared: str) -> Non
 
     _forge_metadata(saved, bomb)
     assert metadata_path(saved).stat().st_size < 4_000_000
-    run = subprocess.run(
-        [sys.executable, "-c", _PEAK_SCRIPT, str(saved)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
-    before_mib, peak_mib, outcome = run.stdout.strip().split(" ", 2)
+    before_mib, peak_mib, outcome = _load_in_a_fresh_process(saved).split(" ", 2)
     print(f"chunk map bomb ({declared}): peak {peak_mib} MiB, {before_mib} MiB before the load")
     assert outcome.startswith("CheckpointCorruptError: ")
     if declared == "few rows":

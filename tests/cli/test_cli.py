@@ -1,16 +1,16 @@
-"""The inspect, verify, diff and convert commands, run in-process and once as a subprocess."""
+"""The inspect, verify, diff and convert commands, run in-process and once in a process of
+its own."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import unickpt
+from tests.cli.forked_cli import run_cli
 from unickpt.cli.main import main
 from unickpt.engine.reader import CheckpointReader
 
@@ -139,12 +139,9 @@ def test_convert_refuses_misuse(
         main(["convert", str(ckpt), dst])
 
 
-def test_as_a_subprocess(ckpt: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "unickpt.cli.main", "inspect", str(ckpt), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_as_a_subprocess(ckpt: Path, tmp_path: Path) -> None:
+    """``python -m unickpt.cli.main`` in a process of its own (forked with torch imported; the
+    closed-pipe tests of test_unix.py start it as a new interpreter)."""
+    done = run_cli(["inspect", str(ckpt), "--json"], tmp_path)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["world_size"] == 1

@@ -28,8 +28,10 @@ import torch.multiprocessing as mp
 
 # What the fork server imports once, for every rank forked from it. ``unickpt`` imports its
 # submodules when first used: ``unickpt.api`` (save, load and what they import, among them
-# torch.distributed.checkpoint, DTensor and FSDP) costs about a CPU second a rank otherwise.
-PRELOAD = ["torch", "torch.distributed", "unickpt", "unickpt.api"]
+# torch.distributed.checkpoint, DTensor and FSDP) costs about a CPU second a rank otherwise;
+# ``torch._dynamo`` (with inductor, triton and onnx, about 280 modules) is imported by a rank's
+# first DTensor operation, at one to two CPU seconds. Neither starts a thread.
+PRELOAD = ["torch", "torch.distributed", "unickpt", "unickpt.api", "torch._dynamo"]
 
 
 def preload(*modules: str) -> None:

@@ -57,9 +57,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import unickpt
+from unickpt.bench import ranks
 from unickpt.config import get_config
 from unickpt.engine.checksum import digest
 from unickpt.format.dtypes import buffer_of
@@ -215,21 +215,16 @@ def _best(run: Any, rounds: int = 3) -> float:
 
 
 def _spawn(world: int, fn: Any, a: dict[str, Any], pin: bool = False) -> list[dict[str, Any]]:
-    """Run ``fn`` on ``world`` ranks; with ``pin``, rank r's process on CPU ``r`` alone (as
-    if each rank were a host of its own: the process inherits the affinity it starts with)."""
-    ctx = mp.get_context("spawn")
+    """Run ``fn`` on ``world`` ranks, each a new process (:mod:`unickpt.bench.ranks`); with
+    ``pin``, rank r's process on CPU ``r`` alone (as if each rank were a host of its own)."""
+    ctx = ranks.context()
     q = ctx.Queue()
     port = _port()
-    procs = [ctx.Process(target=fn, args=(r, world, port, a, q)) for r in range(world)]
-    mask = os.sched_getaffinity(0)
-    cpus = sorted(mask)
-    try:
-        for r, p in enumerate(procs):
-            if pin:
-                os.sched_setaffinity(0, {cpus[r % len(cpus)]})
-            p.start()
-    finally:
-        os.sched_setaffinity(0, mask)
+    cpus = sorted(os.sched_getaffinity(0))
+    procs = [
+        ranks.start(ctx, fn, r, world, port, a, q, cpus={cpus[r % len(cpus)]} if pin else None)
+        for r in range(world)
+    ]
     out = dict(q.get(timeout=600) for _ in range(world))
     for p in procs:
         p.join()

@@ -1,4 +1,4 @@
-"""The bytes a resharded load from S3 reads against the bytes it needs, on spawned ranks.
+"""The bytes a resharded load from S3 reads against the bytes it needs, on new rank processes.
 
 ``world`` processes on this host, joined over gloo, load the benchmark's checkpoint (one chunk
 per matrix) as row blocks, then as column blocks (each rank needs a column slice of every
@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ..config import Config
 from ..storage.s3 import S3Storage
+from . import ranks
 from .s3_dcp import matrices
 
 
@@ -41,16 +41,15 @@ def measure_reshard(
     url: str, tensors: int, world: int, config: Config, timeout_s: float = 600.0
 ) -> list[ReshardBytes]:
     """Load ``url`` (the ``tensors`` matrices of :func:`~unickpt.bench.s3_dcp.matrices`)
-    on ``world`` spawned ranks as row blocks and column blocks; their byte counts."""
-    ctx = mp.get_context("spawn")
+    on ``world`` new rank processes (:mod:`unickpt.bench.ranks`) as row blocks and column
+    blocks; their byte counts."""
+    ctx = ranks.context()
     queue = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     args = (world, port, url, tensors, config, queue)
-    procs = [ctx.Process(target=_rank, args=(r, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
+    procs = [ranks.start(ctx, _rank, r, *args) for r in range(world)]
     try:
         results = [queue.get(timeout=timeout_s) for _ in procs]
     finally:

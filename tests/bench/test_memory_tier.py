@@ -31,13 +31,16 @@ def test_every_unickpt_row_is_measured_and_restores_the_saved_values() -> None:
 
 
 def _affinity(rank: int, world: int, port: int, a: dict[str, Any], q: Any) -> None:
-    q.put((rank, sorted(os.sched_getaffinity(0))))
+    import torch
+
+    q.put((rank, (sorted(os.sched_getaffinity(0)), torch.get_num_threads())))
 
 
 def test_pinned_nodes_run_on_a_cpu_each_and_the_parent_keeps_its_own() -> None:
     before = os.sched_getaffinity(0)
     cpus = sorted(before)
     pinned = memory_tier._spawn(2, _affinity, {}, pin=True)
-    assert pinned == [[cpus[0]], [cpus[1 % len(cpus)]]]
+    # one compute thread on its one CPU, as an interpreter started there would have
+    assert pinned == [([cpus[0]], 1), ([cpus[1 % len(cpus)]], 1)]
     assert os.sched_getaffinity(0) == before
-    assert memory_tier._spawn(2, _affinity, {}) == [cpus, cpus]
+    assert [found for found, _ in memory_tier._spawn(2, _affinity, {})] == [cpus, cpus]

@@ -182,9 +182,18 @@ def _run_rank(args: argparse.Namespace) -> None:
     _run_system(args.system, args, state, reshard, base, results)
 
 
+def _import_for_ranks() -> None:
+    """Import what every rank imports to build its state (FSDP2, DTensor and the device mesh,
+    a CPU second or more), once here before the ranks are forked instead of once in each."""
+    import torch.distributed.device_mesh
+    import torch.distributed.fsdp
+    import torch.distributed.tensor  # noqa: F401
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
+    _import_for_ranks()
     # fork: the ranks start from this process, which imported torch but ran nothing (no
     # threads, no CUDA context), instead of importing everything again each.
     mp.start_processes(

@@ -1,7 +1,7 @@
 """The command line as a Unix tool: quiet on a closed pipe, the subcommand's usage on a bad
 option, no torch import for --version, error messages in terms of its flags. Run as real
-subprocesses of ``python -m unickpt.cli.main``, but for error messages that no interpreter's
-start or exit changes: those run the module in a process forked with torch imported."""
+subprocesses of ``python -m unickpt.cli.main``; a check of an error message, which no
+interpreter's start or exit changes, runs the module in a process forked with torch imported."""
 
 from __future__ import annotations
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
+
 from unickpt.bench import memory_tier
+
+pytestmark = pytest.mark.usefixtures("tests_fork_server")
 
 
 def test_every_unickpt_row_is_measured_and_restores_the_saved_values() -> None:

@@ -12,6 +12,8 @@ import pytest
 
 from unickpt.bench import ranks
 
+pytestmark = pytest.mark.usefixtures("tests_fork_server")
+
 _PROBE = "UNICKPT_BENCH_RANK_PROBE"
 
 
@@ -38,7 +40,7 @@ def test_a_rank_has_the_environment_of_its_start_not_the_servers(
 ) -> None:
     cpus = sorted(os.sched_getaffinity(0))
     monkeypatch.delenv(_PROBE, raising=False)
-    assert _started(_report) == (None, cpus)  # the server is running from here on
+    assert _started(_report) == (None, cpus)
     monkeypatch.setenv(_PROBE, "set after the server started")
     assert _started(_report) == ("set after the server started", cpus)
 

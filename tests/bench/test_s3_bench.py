@@ -10,7 +10,10 @@ import pytest
 from unickpt.bench.s3 import S3BenchConfig
 from unickpt.cli.main import main
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.usefixtures("tests_fork_server"),
+]
 
 MiB = 1 << 20
 

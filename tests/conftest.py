@@ -12,6 +12,11 @@ from tests.distributed import preload
 for _offline in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_offline, "1")
 
+# One compute thread in the test process: its tensors are small, and on a loaded machine a
+# second thread waiting for a busy core cost more than it gave (a test that wants more sets
+# its own; the ranks take their share of the CPUs in ``tests/distributed.py``).
+torch.set_num_threads(1)
+
 # What the ranks of some test modules import, at several CPU seconds a process: when such a
 # test is collected, the fork server imports it once for every rank (``tests/distributed.py``).
 RANK_IMPORTS = {

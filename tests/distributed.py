@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -110,6 +111,9 @@ def _entry(
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
     )
+    # the ranks share the machine's CPUs: compute threads beyond a rank's share wait for busy
+    # cores (a test that wants more sets its own)
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)

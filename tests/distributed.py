@@ -10,13 +10,11 @@ leaves as an exiting interpreter does: its threads finished, then its exit hooks
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing.context
 import multiprocessing.process
 import os
 import pickle
 import socket
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -26,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from unickpt.bench.ranks import exit_hooks, take_environment
 
 # What the fork server imports once, for every rank forked from it. ``unickpt`` imports its
 # submodules when first used: ``unickpt.api`` (save, load and what they import, among them
@@ -60,21 +60,6 @@ def _packed(result: tuple[int, bool, Any]) -> bytes:
     pickler they would travel as shared memory whose file descriptor the receiver fetches from
     the sending process, which may have exited by then (FileNotFoundError in the test)."""
     return pickle.dumps(result)
-
-
-def take_environment(environ: dict[str, str]) -> None:
-    """Make this process's environment ``environ`` (the test's when it started the ranks): a
-    process forked from the fork server inherits the server's, from when the server started."""
-    os.environ.clear()
-    os.environ.update(environ)
-
-
-def exit_hooks() -> None:
-    """Finish this process's threads, then run its exit hooks, as an exiting interpreter does
-    (unickpt's pending saves, then the release of its process groups): a process forked from
-    the fork server leaves by ``os._exit``, which runs neither."""
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
 
 
 def start_process(

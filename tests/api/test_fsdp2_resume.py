@@ -46,9 +46,6 @@ class TinyGPT(nn.Module):
 
 
 def _build(seed: int, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    # One thread a rank: up to 4 ranks share 2 cores, and intra-op threads of each would only
-    # spin waiting for the others (the reference and the resume on 2 ranks both run so)
-    torch.set_num_threads(1)
     torch.manual_seed(seed)
     model = TinyGPT()
     if world > 1:

@@ -5,31 +5,15 @@ asserted."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from unickpt.cli.main import main
 
 TABLES, ROWS, DIM = 2, 4000, 32
 
 
-@pytest.fixture
-def one_compute_thread() -> Iterator[None]:
-    """torch's operators on one thread while the workload runs: its tensors are small, and a
-    second thread waiting for a busy core (2 cores shared with other processes) took most of
-    the time."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.mark.usefixtures("one_compute_thread")
 def test_dlrm_workload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = f"--tables {TABLES} --rows {ROWS} --dim {DIM} --batch 128 --warm-steps 10 --saves 3 "
     args += "--steps-between 2 --more-steps 5 --tuner-steps 12 --max-overhead 0.5 --no-shm"

@@ -62,8 +62,7 @@ def _entry(
     target: Callable[..., None],
     args: tuple[Any, ...],
 ) -> None:
-    os.environ.clear()
-    os.environ.update(environ)
+    take_environment(environ)
     os.sched_setaffinity(0, cpus)
     if pinned:
         import torch
@@ -72,10 +71,17 @@ def _entry(
     try:
         target(*args)
     finally:
-        _exit_hooks()
+        exit_hooks()
 
 
-def _exit_hooks() -> None:
+def take_environment(environ: dict[str, str]) -> None:
+    """Make this process's environment ``environ`` (its starter's when it started it): a
+    process forked from the fork server inherits the server's, from when the server started."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def exit_hooks() -> None:
     """Finish this process's threads, then run its exit hooks, as an exiting interpreter does
     (unickpt's pending saves, the release of its process groups): a process forked from the
     fork server leaves by ``os._exit``, which runs neither."""

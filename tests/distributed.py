@@ -96,9 +96,13 @@ def _entry(
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
     )
-    # the ranks share the machine's CPUs: compute threads beyond a rank's share wait for busy
-    # cores (a test that wants more sets its own)
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+    # One compute thread per rank (a test that wants more sets its own). The tests compare
+    # training runs bit for bit, and with two threads a loaded machine made two uninterrupted
+    # runs of the same job differ in their last bits (reductions split across threads); beyond a
+    # rank's share of the cores, threads also only wait for busy ones. accelerate reads
+    # OMP_NUM_THREADS: unset, it would set the threads from the physical cores.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)

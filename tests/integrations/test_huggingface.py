@@ -248,6 +248,35 @@ def test_save_model_writes_safetensors_from_every_ddp_rank(runs: Runs) -> None:
     assert "model-00001-of-" in " ".join(sorted(again))
 
 
+def _agree_on_the_checkpoint(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Each rank's output folder holds other checkpoints (node-local disks): rank 0 chooses."""
+    from unickpt.integrations.huggingface import _agreed_checkpoint
+
+    mine = f"{root}/rank{rank}"
+    for step in [2, 4] if rank == 0 else [2, 6]:
+        folder = f"{mine}/checkpoint-{step}"
+        os.makedirs(f"{folder}/unickpt")
+        with open(f"{folder}/trainer_state.json", "w") as f:
+            f.write("{}")
+        if step != 6:  # rank 1's newest was never committed
+            with open(f"{folder}/unickpt/COMMIT", "w") as f:
+                f.write("{}")
+    records = _Records()
+    logger = logging.getLogger("unickpt.integrations.huggingface")
+    logger.addHandler(records)
+    try:
+        chosen = _agreed_checkpoint(mine)
+    finally:
+        logger.removeHandler(records)
+    return {"chosen": chosen, "warnings": records.messages}
+
+
+def test_every_rank_resumes_from_the_checkpoint_the_first_rank_chose(runs: Runs) -> None:
+    tmp_path, out = runs["agree"]
+    assert [r["chosen"] for r in out] == [f"{tmp_path}/rank0/checkpoint-4"] * 2
+    assert [r["warnings"] for r in out] == [[], []]  # rank 1's uncommitted folder: not looked at
+
+
 # The first jobs of the tests above, one after the other in the same 2 ranks, each in its
 # folder: starting ranks that import transformers took much of a job's time. The job whose save
 # fails comes last, as its file size limit stays on its processes; resuming after it is a new
@@ -255,6 +284,7 @@ def test_save_model_writes_safetensors_from_every_ddp_rank(runs: Runs) -> None:
 JOBS = {
     "resume": _train_stop_resume,
     "save_model": _save_model_from_every_rank,
+    "agree": _agree_on_the_checkpoint,
     "failure": _fail_save_of_step_4,
 }
 Runs = dict[str, tuple[Path, list[dict[str, Any]]]]

@@ -24,8 +24,9 @@ Trainer's rotation is held back until the newer checkpoint is committed (checked
 end, at the next save and at the end of ``train``), and a save that fails leaves the older
 checkpoints in place. ``resume_from_checkpoint=True`` resumes from the newest complete
 checkpoint (committed, with its ``trainer_state.json``), skipping newer incomplete ones with a
-warning. The final ``save_model`` is the Trainer's (``save_pretrained`` on the main process);
-:func:`save_pretrained` (or ``UnickptTrainer(..., unickpt_save_model=True)``, which makes
+warning; the first rank chooses it for every rank (ranks choosing alone could resume from
+different steps). The final ``save_model`` is the Trainer's (``save_pretrained`` on the main
+process); :func:`save_pretrained` (or ``UnickptTrainer(..., unickpt_save_model=True)``, which makes
 ``save_model(dir)`` call it) writes the same folder from every rank of a sharded job, without
 gathering the model to one rank.
 """
@@ -45,6 +46,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from .. import api
+from ..config import get_config
+from ..dist import Comm, decide
 from ..engine import saver
 from ..engine.futures import SaveFuture
 from ..format.metadata import COMMIT_FILE
@@ -85,7 +88,7 @@ class UnickptTrainerMixin:
     ) -> Any:
         trainer: Any = self
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = last_complete_checkpoint(trainer.args.output_dir) or True
+            resume_from_checkpoint = _agreed_checkpoint(trainer.args.output_dir) or True
         output = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         self.wait_for_checkpoint()
         trainer.accelerator.wait_for_everyone()  # every rank returns with the rotation done
@@ -294,12 +297,37 @@ def last_complete_checkpoint(run_dir: str) -> str | None:
     ``trainer_state.json`` written and its unickpt checkpoint committed (or, for an ordinary
     Trainer checkpoint, none). Newer incomplete ones (a save that failed or was cut off) are
     skipped with a warning; None if there is no complete one."""
+    folder, skipped = _newest_complete(run_dir)
+    for message in skipped:
+        log.warning(message)
+    return folder
+
+
+def _agreed_checkpoint(run_dir: str) -> str | None:
+    """:func:`last_complete_checkpoint`, decided once for every rank: the first rank lists and
+    checks the folders, every rank gets its choice (or its error) and logs what was skipped.
+    Ranks choosing alone could resume from different steps (a folder one rank saw committed
+    and another not yet)."""
+    comm = Comm(None, get_config().collective_timeout_s)
+    folder, skipped = decide(
+        comm,
+        f"choosing the checkpoint to resume from in {run_dir}",
+        lambda: _newest_complete(run_dir),
+    )
+    for message in skipped:
+        log.warning(message)
+    return folder
+
+
+def _newest_complete(run_dir: str) -> tuple[str | None, list[str]]:
+    """The newest complete ``checkpoint-N`` folder, and why each newer one was skipped."""
+    skipped: list[str] = []
     for folder in _checkpoint_folders(run_dir):
         missing = _missing(folder)
         if missing is None:
-            return folder
-        log.warning("not resuming from %s: %s; trying an older checkpoint", folder, missing)
-    return None
+            return folder, skipped
+        skipped.append(f"not resuming from {folder}: {missing}; trying an older checkpoint")
+    return None, skipped
 
 
 def _checkpoint_folders(run_dir: str) -> list[str]:

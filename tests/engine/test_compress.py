@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -308,8 +307,8 @@ def _save_steps_compressed(
     for step in (1, 2, 3):
         ckpt.save(step, workers.state(step, rank, world, rows))
     ckpt.wait()
+    workers.persisted(ckpt)
     dist.barrier()
-    time.sleep(0.5)  # a persist thread, if any, finishes
 
 
 @pytest.mark.parametrize("cols", [False, True])

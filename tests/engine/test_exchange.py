@@ -93,6 +93,7 @@ def _loads(rank: int, world: int, root: str) -> dict[str, Any]:
         except unickpt.CheckpointError as e:
             out[prefix + "damaged"] = (type(e).__name__, str(e))
     out["late damage"] = _late_damage(f"{root}/late", world, small)
+    dist.barrier()  # every rank's load has returned (and removed its buffers)
     out["leftovers"] = sorted(_buffers() - before)
     out.update(_without_shared_memory(f"{root}/intact", world, small))
     return out

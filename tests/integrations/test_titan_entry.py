@@ -113,6 +113,9 @@ def environment(tmp: Path, hold_at: int | None) -> dict[str, str]:
         HF_DATASETS_CACHE=str(tmp / "hf-cache"),
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
+        # one compute thread per rank (torchrun's own default, unless the caller set another):
+        # the losses of two runs are compared as logged, bit for bit
+        OMP_NUM_THREADS="1",
     )
     env.pop("UNICKPT_TITAN_HOLD_AT_STEP", None)
     if hold_at is not None:

@@ -77,9 +77,17 @@ def save_steps(
     for step in steps:
         ckpt.save(step, state(step, rank, world, rows))
     ckpt.wait()
+    persisted(ckpt)
     dist.barrier()
-    time.sleep(0.5)  # a persist thread, if any, finishes
     return sorted(str(p.relative_to(dirs[rank])) for p in Path(dirs[rank]).rglob("*"))
+
+
+def persisted(ckpt: unickpt.Checkpointer) -> None:
+    """Wait for the memory tier's running persist to storage, if any (saves do not)."""
+    tier = ckpt._tier
+    running = tier._persist if tier is not None else None
+    if running is not None:
+        running.join()
 
 
 def restart(

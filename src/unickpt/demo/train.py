@@ -81,6 +81,25 @@ def _train(
             if save_step:
                 state["train"]["step"] = step
                 tracker.save(step, state)
+            if save_step and step == phase.kill_at:
+                _await_kill(phase)
+
+
+# How long a rank of a phase with ``kill_at`` waits for the launcher's signal after that save.
+KILL_WAIT_S = 120.0
+
+
+def _await_kill(phase: Phase) -> None:
+    """Wait, with the save of ``kill_at`` going on in the background, for the launcher's
+    SIGKILL (the last rank) or SIGTERM (the others): the kill lands right after that save, never
+    a step later, however late the launcher reads the event."""
+    deadline = time.monotonic() + KILL_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+    raise DemoError(
+        f"phase {phase.name!r}: no signal came within {KILL_WAIT_S:.0f} s of the save of step "
+        f"{phase.kill_at}; the launcher should have killed this rank there"
+    )
 
 
 def build_model(config: DemoConfig, world_size: int) -> nn.Module:

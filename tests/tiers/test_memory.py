@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -140,22 +142,40 @@ def test_spares_fit_the_file_being_written(tmp_path: Path) -> None:
     assert not store.take_spare(dest, 150)
 
 
-class _SlowStorage(LocalStorage):
+class _GatedStorage(LocalStorage):
+    """Storage whose files are created only once ``gate`` is open."""
+
+    def __init__(self, path: Path, gate: threading.Event) -> None:
+        super().__init__(path)
+        self.gate = gate
+
     def create(self, name: str, part_sizes: Sequence[int]) -> WriteHandle:
-        time.sleep(0.3)
+        self.gate.wait(120)
         return super().create(name, part_sizes)
 
     def child(self, name: str) -> LocalStorage:
-        return _SlowStorage(self._path(name))
+        return _GatedStorage(self._path(name), self.gate)
+
+
+def _open_when_warned(record: Any, gate: threading.Event, match: str) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any(match in str(w.message) for w in record):
+        time.sleep(0.01)
+    gate.set()
 
 
 def test_a_running_persist_is_waited_for_never_dropped(tmp_path: Path) -> None:
     tier = unickpt.MemoryTier(persist_every=1, replicas=1, dir=tmp_path / "shm")
-    ckpt = unickpt.Checkpointer(_SlowStorage(tmp_path / "store"), memory=tier)
-    with pytest.warns(UserWarning, match="waiting for the persist of step"):
+    gate = threading.Event()  # the first persist writes nothing until a save has waited for it
+    ckpt = unickpt.Checkpointer(_GatedStorage(tmp_path / "store", gate), memory=tier)
+    match = "waiting for the persist of step"
+    with pytest.warns(UserWarning, match=match) as record:
+        opener = threading.Thread(target=_open_when_warned, args=(record, gate, match))
+        opener.start()
         for step in range(1, 5):
             ckpt.save(step, _state(step))
         ckpt.close()
+        opener.join()
     stats = ckpt.memory_stats
     assert stats is not None and stats.persist_waits >= 1 and stats.persists == 4
     assert ckpt.steps() == [1, 2, 3, 4]

@@ -98,8 +98,8 @@ def _entry(
     )
     # One compute thread per rank (a test that wants more sets its own). The tests compare
     # training runs bit for bit, and with two threads a loaded machine made two uninterrupted
-    # runs of the same job differ in their last bits (reductions split across threads); beyond a
-    # rank's share of the cores, threads also only wait for busy ones. accelerate reads
+    # runs of the same job differ in their last bits (with one, none did); beyond a rank's
+    # share of the cores, threads also only wait for busy ones. accelerate reads
     # OMP_NUM_THREADS: unset, it would set the threads from the physical cores.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)

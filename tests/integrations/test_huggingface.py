@@ -35,6 +35,7 @@ def _trainer(
     stop_at: int | None = None,
     save_total_limit: int = 2,
     fail_from: int | None = None,
+    arguments: dict[str, Any] | None = None,
     **unickpt: Any,
 ) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
@@ -66,6 +67,7 @@ def _trainer(
         report_to=[],
         logging_steps=100,
         disable_tqdm=True,
+        **(arguments or {}),
     )
     return UnickptTrainer(
         model=model,
@@ -248,6 +250,60 @@ def test_save_model_writes_safetensors_from_every_ddp_rank(runs: Runs) -> None:
     assert "model-00001-of-" in " ".join(sorted(again))
 
 
+def _best_model_at_end(rank: int, world: int, root: str) -> dict[str, Any]:
+    """``load_best_model_at_end`` with ``save_total_limit=1``: evaluations at steps 2, 4 and 6
+    score 1, 3 and 2, so the Trainer's end loads checkpoint-4 and removes checkpoint-6 (whose
+    asynchronous save is still writing unless the integration waits for it)."""
+    os.environ.update(LOCAL_RANK=str(rank), HF_HUB_OFFLINE="1")
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
+
+    import unickpt
+
+    class KeepLast(TrainerCallback):
+        weights: dict[str, torch.Tensor] = {}
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            model = kwargs["model"]
+            KeepLast.weights = {k: v.clone() for k, v in model.state_dict().items()}
+
+    scores = iter([1.0, 3.0, 2.0])
+    g = torch.Generator().manual_seed(4)
+    held_out = [{"input_ids": t, "labels": t} for t in torch.randint(0, 128, (4, 16), generator=g)]
+    trainer = _trainer(
+        f"{root}/run",
+        save_total_limit=1,
+        arguments={
+            "eval_strategy": "steps",
+            "eval_steps": 2,
+            "load_best_model_at_end": True,
+            "metric_for_best_model": "score",
+            "greater_is_better": True,
+        },
+        eval_dataset=held_out,
+        compute_metrics=lambda _: {"score": next(scores)},
+    )
+    trainer.add_callback(KeepLast())
+    trainer.train()
+    final = trainer.model.state_dict()
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=16)
+    best = GPT2LMHeadModel(config)
+    unickpt.load(f"{root}/run/checkpoint-4/unickpt", {"model": best})
+    return {
+        "best": os.path.basename(trainer.state.best_model_checkpoint),
+        "is_best": all(torch.equal(v, final[k]) for k, v in best.state_dict().items()),
+        "is_last": all(torch.equal(v, final[k]) for k, v in KeepLast.weights.items()),
+        "left": sorted(os.listdir(f"{root}/run")),
+    }
+
+
+def test_load_best_model_at_end_loads_the_best_unickpt_checkpoint(runs: Runs) -> None:
+    _, out = runs["best"]
+    for r in out:
+        assert r["best"] == "checkpoint-4"
+        assert r["is_best"] and not r["is_last"]  # the best checkpoint's weights, not the last
+        assert r["left"] == ["checkpoint-4"]  # the Trainer's end removed checkpoint-6
+
+
 def _agree_on_the_checkpoint(rank: int, world: int, root: str) -> dict[str, Any]:
     """Each rank's output folder holds other checkpoints (node-local disks): rank 0 chooses."""
     from unickpt.integrations.huggingface import _agreed_checkpoint
@@ -285,6 +341,7 @@ JOBS = {
     "resume": _train_stop_resume,
     "save_model": _save_model_from_every_rank,
     "agree": _agree_on_the_checkpoint,
+    "best": _best_model_at_end,
     "failure": _fail_save_of_step_4,
 }
 Runs = dict[str, tuple[Path, list[dict[str, Any]]]]

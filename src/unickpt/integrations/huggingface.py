@@ -22,13 +22,16 @@ the ranks). ``unickpt_async=True`` returns from a save after the snapshot.
 ``save_total_limit`` never costs the last committed checkpoint: with asynchronous saves the
 Trainer's rotation is held back until the newer checkpoint is committed (checked at every step
 end, at the next save and at the end of ``train``), and a save that fails leaves the older
-checkpoints in place. ``resume_from_checkpoint=True`` resumes from the newest complete
-checkpoint (committed, with its ``trainer_state.json``), skipping newer incomplete ones with a
-warning; the first rank chooses it for every rank (ranks choosing alone could resume from
-different steps). The final ``save_model`` is the Trainer's (``save_pretrained`` on the main
-process); :func:`save_pretrained` (or ``UnickptTrainer(..., unickpt_save_model=True)``, which makes
-``save_model(dir)`` call it) writes the same folder from every rank of a sharded job, without
-gathering the model to one rank.
+checkpoints in place; the save of the last step is committed before the Trainer's end
+(which removes checkpoints and loads the best model). ``load_best_model_at_end=True`` loads
+the best checkpoint's model from its unickpt checkpoint. ``resume_from_checkpoint=True``
+resumes from the newest complete checkpoint (committed, with its ``trainer_state.json``),
+skipping newer incomplete ones with a warning; the first rank chooses it for every rank (ranks
+choosing alone could resume from different steps). The final ``save_model`` is the Trainer's
+(``save_pretrained`` on the main process); :func:`save_pretrained` (or
+``UnickptTrainer(..., unickpt_save_model=True)``, which makes ``save_model(dir)`` call it)
+writes the same folder from every rank of a sharded job, without gathering the model to one
+rank.
 """
 
 from __future__ import annotations
@@ -111,7 +114,16 @@ class UnickptTrainerMixin:
         with _rotation_held(trainer.args):  # nothing older goes before this one is committed
             self._save_trainer_files(model, trial, folder)
         self._unickpt_rotation = run_dir
-        self.rotate_if_committed()
+        if (
+            trainer.control.should_training_stop
+            or trainer.state.global_step >= trainer.state.max_steps
+        ):
+            # Training ends after this step, and the Trainer's end removes checkpoints
+            # (save_total_limit=1 with a best model) and loads the best one: this save first.
+            # Nothing is lost: train() waited for it anyway.
+            self.wait_for_checkpoint()
+        else:
+            self.rotate_if_committed()
 
     def _save_trainer_files(self, model: Any, trial: Any, folder: str) -> None:
         """The Trainer's own ``_save_checkpoint``: ``trainer_state.json`` and the rotation."""
@@ -197,6 +209,18 @@ class UnickptTrainerMixin:
                 "scheduler": trainer.lr_scheduler,
             },
         )
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's model, from its unickpt checkpoint."""
+        trainer: Any = self
+        best = trainer.state.best_model_checkpoint
+        path = _unickpt_path(best)
+        if path is None:
+            super()._load_best_model()  # type: ignore[misc]
+            return
+        self.wait_for_checkpoint()
+        log.info("loading the best model from %s (score: %s)", best, trainer.state.best_metric)
+        api.load(path, {"model": _unwrap(trainer.model)})
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         path = _unickpt_path(checkpoint)

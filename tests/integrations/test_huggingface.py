@@ -333,6 +333,30 @@ def test_every_rank_resumes_from_the_checkpoint_the_first_rank_chose(runs: Runs)
     assert [r["warnings"] for r in out] == [[], []]  # rank 1's uncommitted folder: not looked at
 
 
+def test_a_failed_check_is_not_taken_for_a_missing_file(tmp_path: Path) -> None:
+    """A ``trainer_state.json`` that cannot be checked (here a symbolic link to itself: ELOOP)
+    stops the choice; it is not skipped for an older checkpoint."""
+    from unickpt.errors import CheckpointError
+    from unickpt.integrations.huggingface import last_complete_checkpoint
+
+    for step in (2, 4):
+        (tmp_path / f"checkpoint-{step}" / "unickpt").mkdir(parents=True)
+        (tmp_path / f"checkpoint-{step}" / "unickpt" / "COMMIT").write_text("{}")
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    looped = tmp_path / "checkpoint-4" / "trainer_state.json"
+    looped.symlink_to(looped)
+    with pytest.raises(CheckpointError) as caught:
+        last_complete_checkpoint(str(tmp_path))
+    assert str(caught.value) == (
+        f"checking {looped} failed (Too many levels of symbolic links); a failed check is not "
+        "taken for a missing file. Fix the file system and resume again, or name the checkpoint "
+        "to resume from (resume_from_checkpoint='.../checkpoint-N')."
+    )
+    looped.unlink()  # absent: checkpoint-4 is skipped (with a warning) for checkpoint-2
+    assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+
+
 # The first jobs of the tests above, one after the other in the same 2 ranks, each in its
 # folder: starting ranks that import transformers took much of a job's time. The job whose save
 # fails comes last, as its file size limit stays on its processes; resuming after it is a new

@@ -41,7 +41,8 @@ import logging
 import os
 import random
 import re
-from collections.abc import Iterator
+import stat
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,7 @@ from ..config import get_config
 from ..dist import Comm, decide
 from ..engine import saver
 from ..engine.futures import SaveFuture
+from ..errors import CheckpointError
 from ..format.metadata import COMMIT_FILE
 from ..layouts.leaves import PerRank
 
@@ -356,28 +358,45 @@ def _newest_complete(run_dir: str) -> tuple[str | None, list[str]]:
 
 def _checkpoint_folders(run_dir: str) -> list[str]:
     """``checkpoint-N`` folders, newest step first."""
-    if not os.path.isdir(run_dir):
+    if not _is(run_dir, stat.S_ISDIR):
         return []
     steps = [(int(m.group(1)), name) for name in os.listdir(run_dir) if (m := _STEP.match(name))]
     folders = [os.path.join(run_dir, name) for _, name in sorted(steps, reverse=True)]
-    return [f for f in folders if os.path.isdir(f)]
+    return [f for f in folders if _is(f, stat.S_ISDIR)]
 
 
 def _missing(folder: str) -> str | None:
     """What keeps ``folder`` from being a complete checkpoint, or None."""
-    if not os.path.isfile(os.path.join(folder, TRAINER_STATE)):
+    if not _is(os.path.join(folder, TRAINER_STATE), stat.S_ISREG):
         return f"it has no {TRAINER_STATE}"
     path = os.path.join(folder, SUBFOLDER)
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, COMMIT_FILE)):
+    if _is(path, stat.S_ISDIR) and not _is(os.path.join(path, COMMIT_FILE), stat.S_ISREG):
         return f"its unickpt checkpoint was never committed (no {SUBFOLDER}/{COMMIT_FILE})"
     return None
+
+
+def _is(path: str, kind: Callable[[int], bool]) -> bool:
+    """Whether ``path`` is there as ``kind`` (``stat.S_ISDIR``, ``stat.S_ISREG``). Absent is
+    False; a check that fails otherwise raises: it is no evidence that the file is missing, and
+    taking it for one would resume from an older checkpoint."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        raise CheckpointError(
+            f"checking {path} failed ({e.strerror or e}); a failed check is not taken for a "
+            "missing file. Fix the file system and resume again, or name the checkpoint to "
+            "resume from (resume_from_checkpoint='.../checkpoint-N')."
+        ) from e
+    return kind(mode)
 
 
 def _unickpt_path(checkpoint: str | None) -> str | None:
     if checkpoint is None:
         return None
     path = os.path.join(checkpoint, SUBFOLDER)
-    return path if os.path.isdir(path) else None
+    return path if _is(path, stat.S_ISDIR) else None
 
 
 def _unwrap(model: Any) -> Any:

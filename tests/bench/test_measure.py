@@ -14,10 +14,10 @@ import torch
 
 from unickpt.bench.measure import (
     PeakMemory,
+    _rss_bytes,
     _scan_children,
     descendants,
     settle,
-    tree_rss_bytes,
     trim_heap,
 )
 
@@ -81,9 +81,9 @@ def test_trim_heap_returns_freed_pages() -> None:
     pieces = [torch.ones(64 * 1024, dtype=torch.uint8) for _ in range(4096)]  # 256 MiB
     del pieces[::2]  # holes inside the heap: the allocator keeps them resident
     # this process alone: a helper process of an earlier test may grow or shrink meanwhile
-    before = tree_rss_bytes(os.getpid(), with_children=False)
+    before = _rss_bytes(os.getpid())
     assert trim_heap()
-    assert before - tree_rss_bytes(os.getpid(), with_children=False) >= 96 * _MiB  # of 128 freed
+    assert before - _rss_bytes(os.getpid()) >= 96 * _MiB  # of the 128 MiB freed
     del pieces
 
 

@@ -255,7 +255,7 @@ def _best_model_at_end(rank: int, world: int, root: str) -> dict[str, Any]:
     score 1, 3 and 2, so the Trainer's end loads checkpoint-4 and removes checkpoint-6 (whose
     asynchronous save is still writing unless the integration waits for it)."""
     os.environ.update(LOCAL_RANK=str(rank), HF_HUB_OFFLINE="1")
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
+    from transformers import GPT2LMHeadModel, TrainerCallback
 
     import unickpt
 
@@ -263,8 +263,9 @@ def _best_model_at_end(rank: int, world: int, root: str) -> dict[str, Any]:
         weights: dict[str, torch.Tensor] = {}
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            model = kwargs["model"]
-            KeepLast.weights = {k: v.clone() for k, v in model.state_dict().items()}
+            if state.global_step == state.max_steps:
+                model = kwargs["model"]
+                KeepLast.weights = {k: v.clone() for k, v in model.state_dict().items()}
 
     scores = iter([1.0, 3.0, 2.0])
     g = torch.Generator().manual_seed(4)
@@ -285,8 +286,7 @@ def _best_model_at_end(rank: int, world: int, root: str) -> dict[str, Any]:
     trainer.add_callback(KeepLast())
     trainer.train()
     final = trainer.model.state_dict()
-    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=16)
-    best = GPT2LMHeadModel(config)
+    best = GPT2LMHeadModel(trainer.model.config)
     unickpt.load(f"{root}/run/checkpoint-4/unickpt", {"model": best})
     return {
         "best": os.path.basename(trainer.state.best_model_checkpoint),

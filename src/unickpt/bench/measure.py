@@ -160,12 +160,11 @@ def _tree_bytes(root: int, children: list[int]) -> int:
     return _rss_bytes(root) + sum(_private_bytes(p) for p in children)
 
 
-def tree_rss_bytes(pid: int | None = None, *, with_children: bool = True) -> int:
+def tree_rss_bytes(pid: int | None = None) -> int:
     """Resident memory of a process plus the private memory of its live descendants (a forked
-    helper shares the parent's pages; only what it owns is counted); ``with_children=False``:
-    the process's own resident memory."""
+    helper shares the parent's pages; only what it owns is counted)."""
     root = os.getpid() if pid is None else pid
-    return _tree_bytes(root, descendants(root) if with_children else [])
+    return _tree_bytes(root, descendants(root))
 
 
 def _reset_self_peak() -> bool:

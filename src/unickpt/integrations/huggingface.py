@@ -323,10 +323,7 @@ def last_complete_checkpoint(run_dir: str) -> str | None:
     ``trainer_state.json`` written and its unickpt checkpoint committed (or, for an ordinary
     Trainer checkpoint, none). Newer incomplete ones (a save that failed or was cut off) are
     skipped with a warning; None if there is no complete one."""
-    folder, skipped = _newest_complete(run_dir)
-    for message in skipped:
-        log.warning(message)
-    return folder
+    return _warn_skipped(*_newest_complete(run_dir))
 
 
 def _agreed_checkpoint(run_dir: str) -> str | None:
@@ -334,12 +331,11 @@ def _agreed_checkpoint(run_dir: str) -> str | None:
     checks the folders, every rank gets its choice (or its error) and logs what was skipped.
     Ranks choosing alone could resume from different steps (a folder one rank saw committed
     and another not yet)."""
-    comm = Comm(None, get_config().collective_timeout_s)
-    folder, skipped = decide(
-        comm,
-        f"choosing the checkpoint to resume from in {run_dir}",
-        lambda: _newest_complete(run_dir),
-    )
+    what = f"choosing the checkpoint to resume from in {run_dir}"
+    return _warn_skipped(*decide(_comm(), what, lambda: _newest_complete(run_dir)))
+
+
+def _warn_skipped(folder: str | None, skipped: list[str]) -> str | None:
     for message in skipped:
         log.warning(message)
     return folder
@@ -397,6 +393,11 @@ def _unickpt_path(checkpoint: str | None) -> str | None:
         return None
     path = os.path.join(checkpoint, SUBFOLDER)
     return path if _is(path, stat.S_ISDIR) else None
+
+
+def _comm() -> Comm:
+    """Every rank of the job (a world of one without torch.distributed)."""
+    return Comm(None, get_config().collective_timeout_s)
 
 
 def _unwrap(model: Any) -> Any:

@@ -306,7 +306,8 @@ def test_load_best_model_at_end_loads_the_best_unickpt_checkpoint(runs: Runs) ->
 
 def _agree_on_the_checkpoint(rank: int, world: int, root: str) -> dict[str, Any]:
     """Each rank's output folder holds other checkpoints (node-local disks): rank 0 chooses."""
-    from unickpt.integrations.huggingface import _agreed_checkpoint
+    from unickpt.errors import CheckpointError
+    from unickpt.integrations.huggingface import _agreed_checkpoint, _unickpt_path
 
     mine = f"{root}/rank{rank}"
     for step in [2, 4] if rank == 0 else [2, 6]:
@@ -324,13 +325,41 @@ def _agree_on_the_checkpoint(rank: int, world: int, root: str) -> dict[str, Any]
         chosen = _agreed_checkpoint(mine)
     finally:
         logger.removeHandler(records)
-    return {"chosen": chosen, "warnings": records.messages}
+    # which loader a checkpoint needs, and a check that fails: rank 0 answers for every rank
+    plain = f"{mine}/plain-{rank}"  # rank 0's has a unickpt folder, rank 1's none
+    os.makedirs(f"{plain}/unickpt" if rank == 0 else plain)
+    looped = f"{mine}/looped"
+    os.makedirs(looped)
+    if rank == 0:
+        os.symlink(f"{looped}/unickpt", f"{looped}/unickpt")  # checking it fails: ELOOP
+    try:
+        _unickpt_path(looped)
+        failed = ""
+    except CheckpointError as e:
+        failed = str(e)
+    return {
+        "chosen": chosen,
+        "warnings": records.messages,
+        "plain": _unickpt_path(plain),
+        "failed": failed,
+    }
 
 
 def test_every_rank_resumes_from_the_checkpoint_the_first_rank_chose(runs: Runs) -> None:
     tmp_path, out = runs["agree"]
     assert [r["chosen"] for r in out] == [f"{tmp_path}/rank0/checkpoint-4"] * 2
     assert [r["warnings"] for r in out] == [[], []]  # rank 1's uncommitted folder: not looked at
+    # rank 1's own folder has no unickpt/, but it loads as rank 0 found: with unickpt
+    assert [r["plain"] for r in out] == [f"{tmp_path}/rank{i}/plain-{i}/unickpt" for i in (0, 1)]
+    looped = f"{tmp_path}/rank0/looped/unickpt"
+    for rank, r in enumerate(out):
+        assert r["failed"] == (
+            f"looking for a unickpt checkpoint in {tmp_path}/rank{rank}/looped failed on 1 of 2 "
+            f"ranks:\n  rank 0: CheckpointError: checking {looped} failed (Too many levels of "
+            "symbolic links); a failed check is not taken for a missing file. Fix the file "
+            "system and resume again, or name the checkpoint to resume from "
+            "(resume_from_checkpoint='.../checkpoint-N')."
+        )
 
 
 def test_a_failed_check_is_not_taken_for_a_missing_file(tmp_path: Path) -> None:

@@ -389,10 +389,15 @@ def _is(path: str, kind: Callable[[int], bool]) -> bool:
 
 
 def _unickpt_path(checkpoint: str | None) -> str | None:
+    """``checkpoint/unickpt`` if the Trainer's checkpoint folder holds a unickpt checkpoint,
+    else None (the Trainer loads it its own way). Decided by the first rank for every rank
+    (the Trainer calls its loaders on all of them): a rank answering alone could skip the
+    collective load the others wait in."""
     if checkpoint is None:
         return None
     path = os.path.join(checkpoint, SUBFOLDER)
-    return path if _is(path, stat.S_ISDIR) else None
+    what = f"looking for a unickpt checkpoint in {checkpoint}"
+    return path if decide(_comm(), what, lambda: _is(path, stat.S_ISDIR)) else None
 
 
 def _comm() -> Comm:

@@ -210,7 +210,9 @@ class Checkpointer:
 
         The first save locks the root (:class:`~unickpt.errors.CheckpointLockedError` when
         another job writes into it), writes the root's id when it has none, and removes
-        folders left by interrupted saves. Whatever the coordinator reads or checks before the
+        folders left by interrupted saves. Every later save first checks that the lock is
+        still this job's, and raises CheckpointLockedError on every rank when another writer
+        took it over. Whatever the coordinator reads or checks before the
         save is handed to every rank with its error: a save that fails, fails on every rank,
         and every rank is ready for the next one.
         """
@@ -220,6 +222,8 @@ class Checkpointer:
         first = self._release is None
         if first:
             self._release = self._root.lock()
+        else:
+            self._root.check_lock()  # another writer took the lock: every rank stops here
         if self._identity is None:
             self._identity = self._root.identity(create=True)
         if first or self._tier is None:  # with a memory tier, persists may be under way later

@@ -6,7 +6,9 @@ command (:mod:`.faulty`); distributed cases in real spawned gloo ranks."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from unickpt.root import ROOT_ID_FILE, step_name
 
 from ..distributed import context, run_ranks, start_process
 from .faulty import faulty
+from .takeover import check_the_lock_was_taken, saves_after_the_lock_is_taken
 
 
 def _state(step: int, n: int = 4096) -> dict[str, Any]:
@@ -280,3 +283,19 @@ def test_saving_over_a_step_that_others_refer_to_is_refused(tmp_path: Path) -> N
         dest = _zeros()
         unickpt.load(root / step_name(step), dest)
         assert _holds(dest, step)
+
+
+# -- 7. a writer whose lock was taken stops saving, on every rank ------------------------------
+
+
+def test_a_writer_whose_lock_file_was_replaced_stops_saving_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    root = str(tmp_path / "run")
+    results = run_ranks(2, saves_after_the_lock_is_taken, root, timeout_s=240)
+    host = re.escape(socket.gethostname())
+    taken = (
+        f"{re.escape(root)}: this writer \\(pid \\d+ on {host}\\) no longer holds its lock: "
+        f"the file was replaced \\(now held by pid \\d+ on {host}\\)"
+    )
+    check_the_lock_was_taken(results, root, taken)

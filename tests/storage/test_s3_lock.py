@@ -1,12 +1,14 @@
 """The S3 writer lock against a real S3 server (moto, on loopback): a holder killed with
-SIGKILL, restarts of the same run, a server that ignores ``If-None-Match``, ETags that change
-on every write."""
+SIGKILL, restarts of the same run on this host and on another (a UTS namespace of its own), a
+live holder of the same run, a holder whose lock was taken, a server that ignores
+``If-None-Match``, ETags that change on every write."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +21,8 @@ from urllib.parse import urlparse
 import pytest
 
 import unickpt
+from tests.distributed import run_ranks
+from tests.root.takeover import check_the_lock_was_taken, saves_after_the_lock_is_taken
 from unickpt.storage.holder import RUN_ID_VARIABLES, run_id
 from unickpt.storage.s3 import S3Storage
 from unickpt.storage.s3_client import client_for, s3_settings
@@ -27,9 +31,7 @@ from .fault_proxy import FaultProxy, Request
 from .s3_server import keys, raw_client
 
 _HOLDER = """
-import socket, sys
-if sys.argv[2]:
-    socket.gethostname = lambda: sys.argv[2]  # the holder runs on another node
+import sys
 from unickpt.storage.s3 import S3Storage
 release = S3Storage(sys.argv[1]).acquire_lock()
 print("locked", flush=True)
@@ -52,12 +54,33 @@ def _no_run_id(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(variable, raising=False)
 
 
+def _other_hosts() -> bool:
+    """Whether this process may start others in a UTS namespace of their own (as root)."""
+    try:
+        done = subprocess.run(["unshare", "--uts", "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+needs_other_hosts = pytest.mark.skipif(
+    not _other_hosts(), reason="needs unshare --uts (root) for a holder on another host"
+)
+
+
 @contextmanager
-def _holder(url: str, host: str = "", run: str | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    """A process holding the lock of ``url`` (on ``host``, as run ``run``) until killed."""
+def _holder(
+    url: str, host: str = "", run: str | None = None, refresh_s: float | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A process holding the lock of ``url`` until killed: on another host (a UTS namespace
+    of its own whose host name is ``host``) when given, as run ``run``, refreshing it every
+    ``refresh_s``."""
     env = {**os.environ, **({"UNICKPT_RUN_ID": run} if run else {})}
+    if refresh_s is not None:
+        env["UNICKPT_S3_LOCK_REFRESH_S"] = str(refresh_s)
+    elsewhere = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host]
     child = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, url, host],
+        [*(elsewhere if host else []), sys.executable, "-c", _HOLDER, url],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=env,
@@ -95,11 +118,17 @@ def test_the_run_id_comes_from_unickpt_torchrun_or_slurm(monkeypatch: pytest.Mon
     assert run_id() == "UNICKPT_RUN_ID=mine"
 
 
-def test_a_restart_of_the_same_run_takes_a_killed_holders_lock_at_once(
-    s3_endpoint: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+@needs_other_hosts
+def test_a_restart_of_the_same_run_on_another_host_waits_for_the_heartbeat_to_stop(
+    s3_endpoint: str,
+    s3_bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The holder ran on another node and was killed: its lock is fresh (600 s to go stale);
-    another run is refused, naming holder, host, run id and age; the same run takes it."""
+    another run is refused, naming holder, host, run id and age; the same run takes it once
+    the lock has gone three of its holder's refresh periods (1 s) without a refresh, and
+    says that it waits."""
     url = f"s3://{s3_bucket}/run"
     refused = (
         r"s3://.*/run is being written by pid \d+ on node-7 \(host node-7, run id "
@@ -108,19 +137,60 @@ def test_a_restart_of_the_same_run_takes_a_killed_holders_lock_at_once(
         r"place: stop the other job or choose another path\. If that job is gone and this is "
         r"its restart, give both the same run id"
     )
-    with _holder(url, host="node-7", run="run-a") as child:
+    caplog.set_level(logging.WARNING, logger="unickpt.storage.s3_lock")
+    with _holder(url, host="node-7", run="run-a", refresh_s=1.0) as child:
+        assert _lock_body(s3_endpoint, s3_bucket, "run/LOCK")["host"] == "node-7"
         monkeypatch.setenv("UNICKPT_RUN_ID", "run-b")
         with pytest.raises(unickpt.CheckpointLockedError, match=refused):
             S3Storage(url).acquire_lock()
         _kill(child)
         with pytest.raises(unickpt.CheckpointLockedError, match=refused):
             S3Storage(url).acquire_lock()
+        assert caplog.records == []
         monkeypatch.setenv("UNICKPT_RUN_ID", "run-a")
         release = S3Storage(url).acquire_lock()
         taken = _lock_body(s3_endpoint, s3_bucket, "run/LOCK")
         assert taken["pid"] == os.getpid() and taken["run_id"] == "UNICKPT_RUN_ID=run-a"
         release()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert re.fullmatch(
+        r"s3://.*/run/LOCK is held by pid \d+ on node-7 of this run \(UNICKPT_RUN_ID=run-a\) "
+        r"on host node-7, refreshed \d+ s ago: waiting until it has gone 3 s without a "
+        r"refresh before taking it over .*",
+        said[0],
+    ), said[0]
+    assert re.fullmatch(
+        r"s3://.*/run/LOCK: taking over the lock of pid \d+ on node-7: a restart of its run "
+        r"\(UNICKPT_RUN_ID=run-a\): its heartbeat from node-7 stopped for 3 s",
+        said[1],
+    ), said[1]
     assert keys(s3_endpoint, s3_bucket) == []
+
+
+@needs_other_hosts
+def test_a_live_holder_of_the_same_run_on_another_host_keeps_its_lock(
+    s3_endpoint: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two job steps of one SLURM allocation (one SLURM_JOB_ID) on two hosts: the second
+    waits, sees the first's heartbeat go on, and is refused; the lock stays the first's."""
+    url = f"s3://{s3_bucket}/steps"
+    monkeypatch.setenv("SLURM_JOB_ID", "7781")
+    with _holder(url, host="node-3", refresh_s=2.0) as child:
+        held = _lock_body(s3_endpoint, s3_bucket, "steps/LOCK")
+        assert held["run_id"] == "SLURM_JOB_ID=7781"
+        with pytest.raises(
+            unickpt.CheckpointLockedError,
+            match=rf"s3://.*/steps is being written by pid {child.pid} on node-3 \(host "
+            r"node-3, run id SLURM_JOB_ID=7781; since .*\), a writer of this same run on "
+            r"another host, and alive: it refreshed the lock while this writer \(pid \d+ on "
+            r".*\) waited \d+ s for its heartbeat to stop\. Two writers must not save into "
+            r"one place, even of one run \(the job steps of one SLURM allocation share "
+            r"SLURM_JOB_ID\)",
+        ):
+            S3Storage(url).acquire_lock()
+        assert _lock_body(s3_endpoint, s3_bucket, "steps/LOCK")["token"] == held["token"]
+        assert held["refresh_s"] == 2.0  # the period the waiting writer went by
 
 
 def test_a_holder_killed_on_this_host_is_taken_over_at_once(
@@ -245,3 +315,25 @@ def test_refreshes_and_the_release_follow_the_etag_as_it_changes(
         assert _lock_body(s3_endpoint, s3_bucket, "beat/LOCK") == _OTHER
     finally:
         proxy.close()
+
+
+def test_a_holder_whose_lock_was_taken_stops_saving_on_every_rank(s3_bucket: str) -> None:
+    """A Checkpointer on two ranks holds the lock; another writer (on another host) takes it
+    over: the holder's next saves raise on every rank, nothing is written or deleted, and its
+    close leaves the other's lock alone."""
+    root = f"s3://{s3_bucket}/run"
+    results = run_ranks(2, saves_after_the_lock_is_taken, root, timeout_s=240)
+    taken = (
+        rf"s3://{s3_bucket}/run/LOCK: this writer \(pid \d+ on .*, run id none\) no longer "
+        r"holds the lock: pid 4242 on node-9 took it over \(host node-9, run id "
+        r"SLURM_JOB_ID=7781, since 2026-01-01T00:00:00\+00:00\)"
+    )
+    check_the_lock_was_taken(results, root, taken)
+    assert (
+        json.loads(
+            raw_client(os.environ["AWS_ENDPOINT_URL"])
+            .get_object(Bucket=s3_bucket, Key="run/LOCK")["Body"]
+            .read()
+        )["token"]
+        == "not-yours"
+    )

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..format.codec import decode_metadata
 from ..format.metadata import COMMIT_FILE
 from ..format.references import FileLocation, parse_reference
-from ..storage.base import Storage, WriteHandle, check_name
+from ..storage.base import HeldLock, Storage, WriteHandle, check_name
 from .commit import read_commit
 
 _STEP_FOLDER = re.compile(r"^step-\d+$")
@@ -111,7 +111,7 @@ class ReferencingStorage(Storage):
     def remove_tree(self, name: str) -> None:
         self.inner.remove_tree(name)
 
-    def acquire_lock(self) -> Callable[[], None]:
+    def acquire_lock(self) -> HeldLock:
         return self.inner.acquire_lock()
 
     def remove_temporary_files(self) -> None:

@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ from ..format.dtypes import dtype_name
 from ..format.metadata import ChunkMeta, Metadata, TensorMeta
 from ..planning.flatten import flatten_state
 from ..planning.load_keys import KeyMap, rename_for_load
-from ..storage.base import Storage, WriteHandle
+from ..storage.base import HeldLock, Storage, WriteHandle
 from .common import foreign_format
 from .fp8_blocks import (
     DEQUANTIZED_DTYPES,
@@ -234,7 +234,7 @@ class DequantizingStorage(Storage):
     def remove_tree(self, name: str) -> None:
         self.inner.remove_tree(name)
 
-    def acquire_lock(self) -> Callable[[], None]:
+    def acquire_lock(self) -> HeldLock:
         return self.inner.acquire_lock()
 
     def remove_temporary_files(self) -> None:

@@ -13,7 +13,8 @@ Below both the Checkpointer and the memory tier (they compose it; it knows neith
   half-deleted checkpoint that looks whole.
 
 Collective methods (every rank of ``comm``, in the same order): :meth:`Root.committed`,
-:meth:`Root.lock`, :meth:`Root.identity`, :meth:`Root.remove_interrupted`.
+:meth:`Root.lock`, :meth:`Root.check_lock`, :meth:`Root.identity`,
+:meth:`Root.remove_interrupted`.
 :meth:`Root.retain` runs on one rank (the coordinator, or the rank whose persist committed),
 often in a background thread.
 """
@@ -27,7 +28,7 @@ from ..dist import Broadcasting, decide
 from ..engine.references import needed_steps
 from ..errors import CheckpointError
 from ..format.metadata import COMMIT_FILE
-from ..storage.base import Storage
+from ..storage.base import HeldLock, Storage
 from .identity import RootIdentity, ensure_root_id, identity_of, read_root_id
 from .names import committed_steps, step_folders, step_name
 
@@ -40,6 +41,7 @@ class Root:
     def __init__(self, storage: Storage, comm: Broadcasting) -> None:
         self.storage = storage
         self.comm = comm
+        self._held: HeldLock | None = None  # the writer lock, on the coordinator once taken
 
     @property
     def location(self) -> str:
@@ -64,13 +66,29 @@ class Root:
     def lock(self) -> Callable[[], None]:
         """Take the root's writer lock on the coordinator (every rank learns the outcome);
         the release to call at the end (a no-op on the other ranks)."""
-        held: list[Callable[[], None]] = []
+        held: list[HeldLock] = []
 
         def take() -> None:
             held.append(self.storage.acquire_lock())
 
         decide(self.comm, f"locking the checkpoint root {self.location}", take)
-        return held[0] if held else _no_op
+        if not held:
+            return _no_op
+        self._held = held[0]
+
+        def release() -> None:
+            self._held = None
+            held[0].release()
+
+        return release
+
+    def check_lock(self) -> None:
+        """Before each save but the first: raise CheckpointLockedError on every rank when the
+        lock taken by :meth:`lock` is no longer this writer's (another writer took it over),
+        so that the job stops saving instead of writing beside the other."""
+        held = self._held
+        check = held.check if held is not None else _no_op
+        decide(self.comm, f"checking the lock of {self.location}", check)
 
     def identity(self, create: bool) -> RootIdentity | None:
         """The root's identity, the same on every rank. ``create``: a writer (holding the
@@ -117,11 +135,14 @@ class Root:
         every step a kept checkpoint refers to; delete the others. Returns the deleted steps.
 
         Never raises: retention is housekeeping. A listing or a read of a kept checkpoint's
-        references that fails deletes nothing (the next retention tries again).
+        references that fails deletes nothing (the next retention tries again); nor does the
+        holder of the root's lock once the lock is no longer its own.
         """
         if keep_last is None:
             return []
         try:
+            if self._held is not None:  # a writer whose lock was taken deletes nothing
+                self._held.check()
             committed = self.list_committed()
             older = [s for s in committed if s < newest]
             doomed = older[: max(0, len(older) - (keep_last - 1))]

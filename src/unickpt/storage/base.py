@@ -17,7 +17,8 @@ Who calls what, in order, for a save of one checkpoint folder:
 3. every writing rank: :meth:`~Storage.write_atomic` for its index file;
 4. the coordinating rank: ``write_atomic`` of the metadata, then of ``COMMIT`` (last), then
    :meth:`~Storage.list_names` and :meth:`~Storage.remove` for files no checkpoint needs; then
-   the lock's release.
+   the lock's release (a Checkpointer holds its root's lock across saves and checks before
+   each save that it still holds it).
 
 For a load, every rank calls :meth:`~Storage.read_bytes` (commit marker, metadata, indexes),
 :meth:`~Storage.size`, then :meth:`~Storage.read_into` from many threads at once. A
@@ -49,9 +50,29 @@ import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 
 from ..errors import CheckpointCorruptError, CheckpointError
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class HeldLock:
+    """A writer lock this process holds: calling it releases it; :attr:`check` raises
+    :class:`~unickpt.errors.CheckpointLockedError` naming the other writer once the lock is
+    no longer this holder's (taken over, or its lock file replaced), so that the holder stops
+    saving instead of writing beside another job."""
+
+    release: Callable[[], None]
+    check: Callable[[], None] = _nothing  # backends that cannot tell
+
+    def __call__(self) -> None:
+        self.release()
+
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
 _TEMP = re.compile(r"^\..+\.([0-9a-f]{12}\.part|[0-9a-f]{8}\.tmp)$")
@@ -369,14 +390,14 @@ class Storage(ABC):
         """
         return None
 
-    def acquire_lock(self) -> Callable[[], None]:
-        """Take the folder's writer lock; return its release.
+    def acquire_lock(self) -> HeldLock:
+        """Take the folder's writer lock; return it held (calling it releases it).
 
         Raises :class:`~unickpt.errors.CheckpointLockedError` naming the holder when another
         writer has it. Only writers lock; readers work beside a writer. Backends that cannot
-        lock return a no-op release (and say so in their docstring).
+        lock return a no-op lock (and say so in their docstring).
         """
-        return lambda: None
+        return HeldLock(_nothing)
 
     def remove_temporary_files(self) -> None:  # noqa: B027 - optional hook
         """Delete the temporary files of writers that did not finish (:func:`temp_name`).

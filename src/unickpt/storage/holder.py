@@ -6,7 +6,8 @@ records its holder, so that the next writer can tell a live holder from a dead o
 - the **run id** names a training run across restarts: ``UNICKPT_RUN_ID`` if set, else
   torchrun's ``TORCHELASTIC_RUN_ID`` (``--rdzv-id``; its default ``none`` counts as no id),
   else SLURM's ``SLURM_JOB_ID`` (the same across the job's requeues: ``SLURM_RESTART_COUNT``
-  is no part of it), else none. A restart of the same run takes over its lock at once;
+  is no part of it), else none. A restart of the same run takes over its lock once the
+  holder's process is gone (on this host) or its heartbeat has stopped (on another host);
 - the **process** (host, pid namespace, pid and start time): a holder on this host whose
   process is gone is dead, whatever its run; a pid reused by another process does not count
   as the holder, its start time differs.
@@ -107,8 +108,7 @@ def _stat(pid: int) -> list[str] | None:
 def is_gone(holder: Holder) -> bool:
     """Whether ``holder`` is a process of this host (and pid namespace) that no longer runs.
     False when that cannot be known: another host, or a lock that records no process."""
-    me = this_holder()
-    if holder.pid is None or holder.host != me.host or holder.pid_namespace != me.pid_namespace:
+    if holder.pid is None or not same_machine(holder):
         return False
     if not Path("/proc/self/stat").exists():  # no /proc: ask the kernel whether the pid is used
         try:
@@ -122,6 +122,13 @@ def is_gone(holder: Holder) -> bool:
     if fields is None or fields[0] in ("Z", "X"):  # no such process, or a zombie
         return True
     return holder.started is not None and fields[19:20] != [holder.started]
+
+
+def same_machine(holder: Holder) -> bool:
+    """Whether ``holder`` ran on this host, in this pid namespace (so its process can be
+    looked up here)."""
+    me = this_holder()
+    return holder.host == me.host and holder.pid_namespace == me.pid_namespace
 
 
 def is_restart_of(holder: Holder) -> bool:

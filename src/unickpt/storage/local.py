@@ -14,11 +14,13 @@ import shutil
 import socket
 import stat
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointLockedError
 from .base import (
+    HeldLock,
     Storage,
     StreamHandle,
     WriteHandle,
@@ -47,6 +49,39 @@ def _os_error(e: OSError, what: str) -> CheckpointError:
         hint = "check the path and the file system."
     where = f" ({e.filename})" if e.filename else ""
     return CheckpointError(f"{what} failed: {e.strerror or e}{where}; {hint}")
+
+
+def _holder_of(record: bytes) -> str:
+    """Who a ``LOCK`` file names (its first line), for messages."""
+    return record.decode(errors="replace").split("\n", 1)[0].strip() or "another process"
+
+
+def _check_lock(path: Path, fd: int, record: bytes) -> None:
+    """Raise CheckpointLockedError unless ``path`` is still the file locked through ``fd``
+    and holds this holder's ``record``."""
+    what = f"checking the lock {path}"
+    try:
+        mine = os.fstat(fd)
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            why, holder = "it was deleted", "nobody"
+        else:
+            found = path.read_bytes()
+            if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
+                why, holder = "the file was replaced", _holder_of(found)
+            elif found != record:
+                why, holder = "another writer wrote its name into it", _holder_of(found)
+            else:
+                return
+    except OSError as e:
+        raise _os_error(e, what) from e
+    raise CheckpointLockedError(
+        f"{path.parent}: this writer ({_holder_of(record)}) no longer holds its lock: {why} "
+        f"(now held by {holder}). Another job may be saving into the same place, and this "
+        "one stops saving there rather than write beside it (or let its retention delete the "
+        "other's checkpoints). Stop one of the jobs, or give it another path, and restart it."
+    )
 
 
 def fsync_dir(path: Path) -> None:
@@ -393,8 +428,14 @@ class LocalStorage(Storage):
     def is_file(self) -> bool:
         return self.root.is_file()
 
-    def acquire_lock(self) -> Callable[[], None]:
-        """An exclusive advisory lock on ``LOCK`` in the folder, released at process exit too."""
+    def acquire_lock(self) -> HeldLock:
+        """An exclusive advisory lock on ``LOCK`` in the folder, released at process exit too.
+
+        ``LOCK`` records its holder and a token of its own. The lock's check finds it taken
+        when the file under the name is no longer the one locked (deleted, or replaced: a
+        second writer then locks the new file) or holds another writer's record (a file
+        system whose ``flock`` does not reach across hosts lets a writer on another host in).
+        """
         self.ensure_root()
         path = self.root / "LOCK"
         try:
@@ -404,21 +445,22 @@ class LocalStorage(Storage):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = path.read_text(errors="replace").strip() or "another process"
+            holder = _holder_of(path.read_bytes())
             os.close(fd)
             raise CheckpointLockedError(
                 f"{self.root} is being written by {holder}; two jobs must not save into the same "
                 "place. Stop the other job or choose another path."
             ) from None
+        record = f"pid {os.getpid()} on {socket.gethostname()}\ntoken {uuid.uuid4().hex}\n"
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        os.pwrite(fd, record.encode(), 0)
         self.remove_temporary_files()
 
         def release() -> None:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
-        return release
+        return HeldLock(release, functools.partial(_check_lock, path, fd, record.encode()))
 
     def remove_temporary_files(self) -> None:
         """Delete the temporary files of writers that died mid-file (called under the lock or

@@ -24,7 +24,7 @@ from functools import partial
 from typing import Any
 
 from ..errors import CheckpointError
-from .base import STREAM_PART_BYTES, Storage, StreamHandle, WriteHandle, check_name
+from .base import STREAM_PART_BYTES, HeldLock, Storage, StreamHandle, WriteHandle, check_name
 from .registry import register_backend
 from .s3_client import (
     BufferStream,
@@ -563,16 +563,16 @@ class S3Storage(Storage):
         was_open: bool = self._cleanup(f"aborting the upload of s3://{self.bucket}/{key}", abort)
         return was_open
 
-    def acquire_lock(self) -> Callable[[], None]:
+    def acquire_lock(self) -> HeldLock:
         """The lock object ``LOCK`` (conditional PUT); then the uploads an earlier, killed
         writer left under the prefix are aborted (no other writer can own them now)."""
-        release = S3Lock(self.client, self.settings, self.bucket, self._key(LOCK_NAME)).acquire()
+        held = S3Lock(self.client, self.settings, self.bucket, self._key(LOCK_NAME)).acquire()
         try:
             self.abort_uploads()
         except BaseException:
-            release()
+            held()
             raise
-        return release
+        return held
 
     def is_file(self) -> bool:
         return bool(self.prefix) and self._head(self.prefix) is not None

@@ -59,6 +59,10 @@ class S3Settings:
     """Connections kept to the endpoint; at least the engine's ``io_threads`` per process."""
     lock_stale_s: float = 600.0
     """A writer lock not refreshed for this long belongs to a dead writer and is taken over."""
+    lock_refresh_s: float = 30.0
+    """The holder rewrites its lock this often (at most every quarter of ``lock_stale_s``); a
+    restart of the same run on another host takes the lock over once three of these went by
+    without a refresh."""
     addressing_style: str = "auto"
     """``auto``, ``path`` or ``virtual`` (some S3-compatible servers want ``path``)."""
 
@@ -68,8 +72,10 @@ class S3Settings:
                 f"S3 max_attempts is {self.max_attempts} and rounds {self.rounds}; expected at "
                 "least 1 each."
             )
-        if self.lock_stale_s <= 0 or self.backoff_s < 0:
-            raise CheckpointError("S3 lock_stale_s must be positive and backoff_s not negative.")
+        if self.lock_stale_s <= 0 or self.lock_refresh_s <= 0 or self.backoff_s < 0:
+            raise CheckpointError(
+                "S3 lock_stale_s and lock_refresh_s must be positive and backoff_s not negative."
+            )
         if self.addressing_style not in ("auto", "path", "virtual"):
             raise CheckpointError(
                 f"S3 addressing_style is {self.addressing_style!r}; expected auto, path or virtual."

@@ -14,7 +14,7 @@ import torch
 
 import unickpt
 from tests.distributed import run_ranks, start_process, start_ranks
-from tests.tiers import workers
+from tests.tiers import faults, workers
 
 
 def _kill(procs: list[multiprocessing.Process]) -> None:
@@ -134,3 +134,47 @@ def test_sigterm_persists_newest_memory_step(tmp_path: Path) -> None:
     results = run_ranks(2, workers.restart, root, empty, None, 16, True)
     assert results == [(stored[-1], "storage")] * 2
     assert torch.equal(workers.full(0), workers.full(0))
+
+
+def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+def test_wait_returns_only_once_the_replica_is_renamed_and_a_crash_before_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 holds the rename of rank 0's replica of step 2 (its index) into place. Neither
+    rank's ``wait()`` returns while it is held (each waits for every rank's replicas); once it
+    is let go, both return. Killed in that window with node a lost, the restart loads step 1,
+    the step ``wait()`` last reported committed (rank 0's copy of step 2 was not whole on
+    node b: the replica's index never landed)."""
+    nodes = {0: "a", 1: "b"}
+    for kill_in_window in (False, True):
+        run = tmp_path / f"run-{kill_in_window}"
+        dirs = {0: str(run / "node-a"), 1: str(run / "node-b")}
+        flags = run / "flags"
+        flags.mkdir(parents=True)
+        procs, _ = start_ranks(
+            2, faults.save_with_a_replica_held, str(run / "store"), dirs, nodes, str(flags)
+        )
+        try:
+            _wait_for(flags / "holding")
+            time.sleep(2.0)  # room for a wait() that would return early (it must not)
+            assert sorted(p.name for p in flags.iterdir()) == ["holding"]
+            if not kill_in_window:
+                (flags / "open").touch()
+                _wait_for(flags / "returned-0")
+                _wait_for(flags / "returned-1")
+        finally:
+            _kill(procs)
+        shutil.rmtree(dirs[0])  # node a is lost with its memory
+        results = run_ranks(
+            2, workers.restart, str(run / "store"), dirs, nodes, 16, False, timeout_s=300
+        )
+        if kill_in_window:
+            assert results == [(1, "peer"), (1, "memory")]
+        else:
+            assert results == [(2, "peer"), (2, "memory")]

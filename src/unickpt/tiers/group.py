@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..dist import OwnGroup
 from ..engine.scratch import Scratch
-from ..errors import DistributedCheckpointError
+from ..errors import CheckpointCorruptError, DistributedCheckpointError
 from .direct import Targets, messages
 
 PIECE_BYTES = 64 << 20
@@ -96,36 +96,87 @@ class TierGroup:
         earliest unfinished transfer always has both ends waiting for it and nothing deadlocks,
         while transfers between other pairs go on at the same time. (One direction at a time
         per pair: gloo moves a large tensor both ways at once far slower than one way twice.)
+
+        A rank that cannot open, size or map its side of a file (gone, cut short, memory full)
+        still moves the file's bytes (zeros sent, or received into a scratch buffer), so that
+        its peer never waits for them, and raises :class:`CheckpointCorruptError` naming the
+        files once every transfer is done; the caller hands that outcome to every rank (a
+        restore then falls back to storage on every rank).
         """
+        failed: list[str] = []
         with self._lost("file transfer"), ThreadPoolExecutor(1, "unickpt-map") as pool:
             for t in transfers:
                 if t.ranges:
-                    self._ranges(t, arrived, targets)
-                    continue
-                with _opened(t.path, t.nbytes, write=not t.send) as fd:
-                    for end, piece in _pieces(fd, t.nbytes, not t.send, pool):
-                        if t.send:
-                            dist.send(piece, self.ranks[t.peer], self._pg, tag=t.tag)
-                        else:
-                            dist.recv(piece, self.ranks[t.peer], self._pg, tag=t.tag)
-                        del piece  # the map closes once no tensor refers to it
-                        if arrived is not None and not t.send:
-                            arrived(t.path, end)
+                    failure = self._ranges(t, arrived, targets)
+                else:
+                    failure = self._whole(t, arrived, pool)
+                if failure is not None:
+                    failed.append(failure)
+        if failed:  # a memory file that cannot be used is as good as damaged
+            raise CheckpointCorruptError(
+                f"rank {self.rank}: the memory tier could not use {len(failed)} file(s) it "
+                f"moves: {'; '.join(failed[:3])}. Their bytes went as zeros (nothing waits for "
+                "them, and nothing counts them as whole); free memory in the node folder or "
+                "check it for files changed from outside."
+            )
+
+    def _whole(
+        self, t: Transfer, arrived: Callable[[Path, int], None] | None, pool: ThreadPoolExecutor
+    ) -> str | None:
+        """Move a whole file, piece by piece; on a local failure, move the rest as blanks
+        (:meth:`_blank`) and return what failed."""
+        done = 0
+        try:
+            with _opened(t.path, t.nbytes, write=not t.send) as fd:
+                for end, piece in _pieces(fd, t.nbytes, not t.send, pool):
+                    self._move(piece, t)
+                    del piece  # the map closes once no tensor refers to it
+                    done = end
+                    if arrived is not None and not t.send:
+                        arrived(t.path, end)
+        except (OSError, ValueError) as e:  # ValueError: a map past the end of a cut file
+            self._blank(t, done)
+            return f"{t.path} ({e})"
+        return None
+
+    def _move(self, piece: torch.Tensor, t: Transfer) -> None:
+        if t.send:
+            dist.send(piece, self.ranks[t.peer], self._pg, tag=t.tag)
+        else:
+            dist.recv(piece, self.ranks[t.peer], self._pg, tag=t.tag)
+
+    def _blank(self, t: Transfer, start: int) -> None:
+        """Move bytes ``[start, nbytes)`` of ``t`` without its file, in the same pieces: zeros
+        sent, or received into a scratch piece and dropped."""
+        if start >= t.nbytes:
+            return
+        scratch = torch.zeros(min(PIECE_BYTES, t.nbytes - start), dtype=torch.uint8)
+        for at in range(start, t.nbytes, PIECE_BYTES):
+            self._move(scratch[: min(PIECE_BYTES, t.nbytes - at)], t)
 
     def _ranges(
         self,
         t: Transfer,
         arrived: Callable[[Path, int], None] | None,
         targets: Targets | None,
-    ) -> None:
-        """Send the ranges of ``t`` out of a map of its file, or receive them into ``targets``."""
+    ) -> str | None:
+        """Send the ranges of ``t`` out of a map of its file, or receive them into ``targets``;
+        a sender that cannot map the file sends zeros and returns what failed."""
         peer = self.ranks[t.peer]
         cut = messages(t.ranges, min(PIECE_BYTES, DIRECT_PIECE_BYTES))
         if t.send:
-            with _opened(t.path, t.nbytes, write=False) as fd, _mapped(fd, t.nbytes) as whole:
-                for m in cut:
-                    dist.send(whole[m.start : m.end], peer, self._pg, tag=t.tag)
-            return
+            sent = 0
+            try:
+                with _opened(t.path, t.nbytes, write=False) as fd, _mapped(fd, t.nbytes) as whole:
+                    for m in cut:
+                        dist.send(whole[m.start : m.end], peer, self._pg, tag=t.tag)
+                        sent += 1
+            except (OSError, ValueError) as e:  # ValueError: a map past the end of a cut file
+                for m in cut[sent:]:
+                    blank = torch.zeros(m.end - m.start, dtype=torch.uint8)
+                    dist.send(blank, peer, self._pg, tag=t.tag)
+                return f"{t.path} ({e})"
+            return None
         assert targets is not None
         scratch = Scratch()
         for m in cut:
@@ -136,6 +187,7 @@ class TierGroup:
                 arrived(t.path, m.end)
         if arrived is not None:
             arrived(t.path, t.nbytes)
+        return None
 
     def pass_files(self, folder: Path, passes: list[Pass]) -> dict[str, bytes]:
         """Small files of ``folder`` (on each sender's node), whole, rank to rank into memory:
@@ -204,12 +256,16 @@ class Pass:
 
 @contextlib.contextmanager
 def _opened(path: Path, nbytes: int, write: bool) -> Iterator[int]:
-    """The file's descriptor; when writing, created (or a spare reused) at ``nbytes``."""
+    """The file's descriptor; when writing, created (or a spare reused) at ``nbytes``, its
+    memory allocated up front: a full tmpfs then fails here (ENOSPC) rather than stopping the
+    process with SIGBUS at the first byte received into a page it cannot have."""
     flags = os.O_RDWR | os.O_CREAT if write else os.O_RDONLY  # a spare file is overwritten
     fd = os.open(path, flags, 0o644)
     try:
         if write:
             os.ftruncate(fd, nbytes)
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
         yield fd
     finally:
         os.close(fd)

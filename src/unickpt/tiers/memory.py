@@ -20,11 +20,12 @@ the data is complete, by a local save and by a received replica alike.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -260,6 +261,26 @@ class RecyclingStorage(LocalStorage):
         path = self.root / name
         reuse = self._store.take_spare(path, sum(part_sizes))
         return LocalWriteHandle(path, part_sizes, overwrite=reuse)
+
+
+@contextlib.contextmanager
+def folder_errors(what: str) -> Iterator[None]:
+    """An OSError of a node folder raised as a CheckpointError saying what failed and what to
+    do (the node's memory full, the folder not writable)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            hint = (
+                "the node's memory folder is full: free memory there, keep fewer replicas, or "
+                "set MemoryTier(dir=...) to a larger tmpfs"
+            )
+        elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            hint = "the folder is not writable: fix its permissions or set MemoryTier(dir=...)"
+        else:
+            hint = "check the node's memory folder (was it changed from outside the job?)"
+        where = f" ({e.filename})" if e.filename else ""
+        raise CheckpointError(f"{what} failed: {e.strerror or e}{where}; {hint}.") from e
 
 
 def _listdir(path: Path) -> list[str]:

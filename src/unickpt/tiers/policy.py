@@ -2,7 +2,8 @@
 
 Every save lands in the nodes' memory (:mod:`.memory`), then, in the save's background
 thread, its commit goes to every node and each rank's files to its replica node
-(:mod:`.replicate`); ``fut.wait()`` returns once both are done. Every ``persist_every``-th save
+(:mod:`.replicate`); ``fut.wait()`` returns once both are done, every replica whole on its
+node (its receiver renamed it into place and said so to every rank). Every ``persist_every``-th save
 is then copied to storage in a thread of its own (:mod:`.persist`), overlapping the next save.
 
 Bounded memory, and the rule when a persist is still running: a node keeps the newest
@@ -26,13 +27,14 @@ from typing import Any
 
 from .. import api
 from ..config import Config
+from ..dist import run_step
 from ..engine.futures import SaveFuture
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..layouts.rules import LayoutMap
 from ..root import Root, RootIdentity
 from ..storage.base import Storage
 from .group import TierGroup
-from .memory import MemoryStore, MemoryTier
+from .memory import MemoryStore, MemoryTier, folder_errors
 from .nodes import Nodes, node_name
 from .persist import persist
 from .replicate import Committed, replicate, share_commit
@@ -161,11 +163,8 @@ class TierPolicy:
         store = self._bound()
         self._make_room()
         group.barrier()  # every rank's persist of a retiring step is over
-        if nodes.is_leader:
-            store.claim()
-            keep = {self.newest.step} if self.newest is not None else set()
-            for gone in store.retire(keep):
-                log.debug("retired memory step %d", gone)
+        what = f"preparing the memory folders for step {step}"
+        run_step(group, what, lambda: self._prepare_folder(nodes, store))
         self._count(saves=1)
         self._since_persist += 1
         due = self._since_persist >= self.tier.persist_every
@@ -207,6 +206,18 @@ class TierPolicy:
             layout=s.layout,
         )
         return self.pending
+
+    def _prepare_folder(self, nodes: Nodes, store: MemoryStore) -> tuple[None, None]:
+        """On each node's leader: claim the job's folder and retire older steps. Run as a step
+        of every rank (its outcome reaches all of them before the save's collectives)."""
+        if not nodes.is_leader:
+            return None, None
+        keep = {self.newest.step} if self.newest is not None else set()
+        with folder_errors(f"preparing the memory folder {store.root}"):
+            store.claim()
+            for gone in store.retire(keep):
+                log.debug("retired memory step %d", gone)
+        return None, None
 
     def _make_room(self) -> None:
         """Before a save: wait for a persist of the checkpoint the save retires."""

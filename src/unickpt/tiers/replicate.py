@@ -1,24 +1,34 @@
 """After a memory save commits: the commit on every node, each rank's files on its replica node.
 
 Runs on every rank in the save's background thread, on the tier's own group, so the training
-loop stalls only for the local memory save. The coordinator's commit marker and metadata bytes
-are broadcast and the other nodes' leaders write them (metadata first, marker last). Then each
-rank sends its data and index files to its replica ranks (:meth:`Nodes.sends`); a receiver
-writes the data file, and only once it is whole, the index file (the rule that makes a file
-count as present). Peak extra memory: the broadcast metadata; the replica files themselves.
+loop stalls only for the local memory save. The coordinator reads its commit marker and
+metadata bytes and hands them (or its error) to every rank; the other nodes' leaders write them
+(metadata first, marker last). Then each rank sends its data and index files to its replica
+ranks (:meth:`Nodes.sends`); a receiver writes the data file, and only once every transfer of
+every rank went through, renames the index file into place (the rule that makes a file count as
+present). The save is done, on every rank, only once every receiver reports its renames: when
+``fut.wait()`` returns, every replica of the step is whole on its node.
+
+Every step a rank takes alone (reading, writing the commit copy, making room for a replica,
+sending or receiving a file, renaming) reports its outcome to every rank before the next
+collective, so a failure on one rank fails the save on all of them at once, never leaving the
+others waiting for the collective timeout. Peak extra memory: the broadcast metadata; the
+replica files themselves.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
+from ..dist import decide, run_step
 from ..engine.commit import data_name, read_commit
 from ..errors import CheckpointCorruptError
 from ..format.codec import decode_metadata
 from ..format.metadata import COMMIT_FILE, FileRef
 from .group import TierGroup, Transfer
-from .memory import MemoryStore
+from .memory import MemoryStore, folder_errors
 from .nodes import Nodes
 
 
@@ -61,13 +71,18 @@ def read_committed(store: MemoryStore, step: int) -> Committed:
 
 def share_commit(group: TierGroup, nodes: Nodes, store: MemoryStore, step: int) -> Committed:
     """The coordinator's commit, on every rank and in every node's folder."""
-    if nodes.count == 1:
-        return read_committed(store, step)
-    mine = read_committed(store, step) if group.rank == 0 else None
-    committed = group.broadcast(mine)
-    assert committed is not None
-    if nodes.is_leader and nodes.node != nodes.node_of(0):
-        write_commit(store, committed)
+    committed = decide(
+        group, f"reading the commit of memory step {step}", lambda: read_committed(store, step)
+    )
+
+    def land() -> tuple[None, None]:
+        if nodes.is_leader and nodes.node != nodes.node_of(0):
+            with folder_errors(f"writing the commit of memory step {step} into {store.root}"):
+                write_commit(store, committed)
+        return None, None
+
+    if nodes.count > 1:
+        run_step(group, f"copying the commit of memory step {step} to every node", land)
     return committed
 
 
@@ -80,10 +95,13 @@ def write_commit(store: MemoryStore, committed: Committed) -> None:
 def replicate(
     group: TierGroup, nodes: Nodes, store: MemoryStore, committed: Committed, copies: int
 ) -> int:
-    """Send this rank's files to its replica ranks, receive the files it keeps; bytes sent."""
-    folder = store.step_path(committed.step)
+    """Send this rank's files to its replica ranks, receive the files it keeps; bytes sent.
+    Returns on every rank once every replica is whole on its node (its index renamed into
+    place), or raises on every rank."""
+    step = committed.step
+    folder = store.step_path(step)
     transfers: list[Transfer] = []
-    renames: list[tuple[str, str]] = []
+    receives: list[tuple[FileRef, Path]] = []
     for k, (src, dst) in enumerate(nodes.sends(copies)):
         ref = committed.ref_of(src)
         if ref is None or group.rank not in (src, dst):
@@ -94,12 +112,35 @@ def replicate(
             transfers.append(Transfer(index, ref.index_nbytes, dst, 2 * k + 1, True))
         else:
             landing = folder / f".{ref.index}.{os.getpid()}.tmp"
-            store.take_spare(data, ref.nbytes)
             transfers.append(Transfer(data, ref.nbytes, src, 2 * k, False))
             transfers.append(Transfer(landing, ref.index_nbytes, src, 2 * k + 1, False))
-            renames.append((landing.name, ref.index))
-    folder.mkdir(parents=True, exist_ok=True)
-    group.exchange(transfers)
-    for tmp, final in renames:  # data files are whole: their indexes make them present
-        os.replace(folder / tmp, folder / final)
+            receives.append((ref, landing))
+
+    def make_room() -> tuple[None, None]:
+        with folder_errors(f"making room for replicas in {folder}"):
+            if receives:
+                folder.mkdir(parents=True, exist_ok=True)
+            for ref, _ in receives:
+                store.take_spare(folder / ref.data, ref.nbytes)
+        return None, None
+
+    def move() -> tuple[None, None]:
+        group.exchange(transfers)
+        return None, None
+
+    def land() -> tuple[None, None]:
+        with folder_errors(f"renaming the replicas' indexes into place in {folder}"):
+            commit_replicas(folder, [(landing.name, ref.index) for ref, landing in receives])
+        return None, None
+
+    run_step(group, f"making room for the replicas of memory step {step}", make_room)
+    run_step(group, f"sending the replicas of memory step {step}", move)
+    run_step(group, f"committing the replicas of memory step {step}", land)
     return sum(t.nbytes for t in transfers if t.send)
+
+
+def commit_replicas(folder: Path, renames: list[tuple[str, str]]) -> None:
+    """Rename each received index into place: its data file is whole, so it counts as present
+    from now on."""
+    for tmp, final in renames:
+        os.replace(folder / tmp, folder / final)

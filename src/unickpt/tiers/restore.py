@@ -46,7 +46,7 @@ from ..planning.load_plan import ReadItem
 from ..storage.base import Storage, WriteHandle
 from .direct import Targets
 from .group import Arrivals, Pass, TierGroup, Transfer
-from .memory import Holding, MemoryStore, index_of
+from .memory import Holding, MemoryStore, folder_errors, index_of
 from .nodes import Nodes
 from .replicate import Committed, read_committed, write_commit
 
@@ -146,10 +146,8 @@ class Fetch:
         arrivals = Arrivals(receiving) if alongside and receiving else None
         self._targets = targets
         self.view = WithIndexes(folder, indexes, path, arrivals, targets)
-        if not alongside:
-            group.exchange(transfers)
-            self._heal()
-            group.barrier()  # files fetched by one rank of a node serve its other ranks too
+        if not alongside:  # files fetched by one rank of a node serve its other ranks too
+            run_step(group, f"receiving the files of memory step {committed.step}", self._receive)
         elif transfers:
             self._thread = threading.Thread(
                 target=self._run, args=(arrivals,), name="unickpt-fetch", daemon=True
@@ -165,16 +163,26 @@ class Fetch:
             if arrivals is not None:
                 arrivals.fail(e)
 
-    def finish(self) -> None:
-        """Wait for the transfers still under way, raise their failure, then write the index
-        of every received file (each data file whole by then)."""
-        if self._thread is None:
-            return
-        self._thread.join()
-        self._thread = None
-        if self._error is not None:
-            raise self._error
+    def _receive(self) -> tuple[None, None]:
+        self._group.exchange(self._transfers)
         self._heal()
+        return None, None
+
+    def finish(self) -> None:
+        """After the load, on every rank: wait for the transfers still under way, then write
+        the index of every file received (each data file whole by then). A failure on any
+        rank raises on every rank (the transfers' failure before the load's)."""
+
+        def join() -> tuple[None, None]:
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+                if self._error is not None:
+                    raise self._error
+                self._heal()
+            return None, None
+
+        run_step(self._group, f"receiving the files of memory step {self.committed.step}", join)
 
     def _heal(self) -> None:
         for t in self._transfers:
@@ -226,10 +234,16 @@ def fetch(
     missing, wanted = run_step(group, _PLANNING, want)
     alongside = not _shared_fetches(nodes, wanted)
     transfers = _transfers(nodes, store, choice, committed, wanted, alongside)
-    targets = None
-    if alongside:
+
+    def make_room() -> tuple[Targets | None, None]:
+        with folder_errors(f"making room for the files of memory step {choice.step} in {path}"):
+            _make_room(store, transfers)
+        if not alongside:
+            return None, None
         ranged = {t.path.name for t in transfers if t.ranges and not t.send}
-        targets = Targets({path / f: _destinations(missing[f]) for f in ranged})
+        return Targets({path / f: _destinations(missing[f]) for f in ranged}), None
+
+    targets, _ = run_step(group, _PLANNING, make_room)
     files = tuple(sorted([*received, *(t.path.name for t in transfers if not t.send)]))
     fetched = bool(missing)
     return Fetch(
@@ -332,15 +346,22 @@ def _transfers(
             ranges = ranges if alongside else ()
             if nodes.rank == src:
                 transfers.append(Transfer(folder / f, sizes[f], rank, tag, True, ranges))
-            elif nodes.rank == rank and ranges:
-                transfers.append(Transfer(folder / f, sizes[f], src, tag, False, ranges))
             elif nodes.rank == rank:
-                folder.mkdir(parents=True, exist_ok=True)
-                (folder / index_of(f)).unlink(missing_ok=True)
-                store.take_spare(folder / f, sizes[f])  # its pages are there already
-                transfers.append(Transfer(folder / f, sizes[f], src, tag, False))
+                transfers.append(Transfer(folder / f, sizes[f], src, tag, False, ranges))
             tag += 1
     return transfers
+
+
+def _make_room(store: MemoryStore, transfers: list[Transfer]) -> None:
+    """Before files are received whole into the node folder: the folder made, each file's
+    index removed (the file counts as present again only once whole), a spare file moved to
+    its name (its pages are there already)."""
+    for t in transfers:
+        if t.send or t.ranges:
+            continue
+        t.path.parent.mkdir(parents=True, exist_ok=True)
+        (t.path.parent / index_of(t.path.name)).unlink(missing_ok=True)
+        store.take_spare(t.path, t.nbytes)
 
 
 class WithIndexes(Storage):

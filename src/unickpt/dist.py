@@ -300,6 +300,14 @@ def run_step(comm: Gathering, step: str, fn: Callable[[], tuple[L, S]]) -> tuple
     return local, [s for _, s in gathered]
 
 
+def on_every_rank(comm: Gathering, what: str, fn: Callable[[], T]) -> T:
+    """``fn()`` run on every rank: its value here, or, when it failed on any rank, that failure
+    raised on every rank. For what each rank prepares alone before a collective that all of
+    them enter (a save or a load): a rank failing there would leave the others waiting."""
+    value, _ = run_step(comm, what, lambda: (fn(), None))
+    return value
+
+
 class Broadcasting(Protocol):
     """What :func:`decide` needs of a group: this rank, its size, an object broadcast."""
 

@@ -463,3 +463,36 @@ def _moe_step(step: tuple[str, str, int, int, int]) -> dict[str, Any]:
 def moe_steps(rank: int, world: int, steps: list[tuple[str, str, int, int, int]]) -> list[Any]:
     """``_moe_step`` for each of ``steps`` (what, path, tp, ep, expert tp), in order."""
     return [_moe_step(step) for step in steps]
+
+
+def one_rank_fails(rank: int, world: int, path: str) -> list[str]:
+    """A save whose state dict on rank 1 holds a flattened range (refused while mapping it),
+    a save that works, then a load from a folder rank 1 does not find: each failure is
+    raised on every rank, as that rank's error, with no rank waiting for the others."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from unickpt.config import get_config
+    from unickpt.errors import CheckpointError
+    from unickpt.integrations import megatron as um
+
+    config = get_config(collective_timeout_s=20)  # a rank left waiting gives up soon
+    bad = _hand_state(rank, world, [[rank, rank + 1], [rank + 2, rank + 3]], 0)
+    if rank == 1:
+        sh = ShardedTensor.from_rank_offsets("optimizer.exp_avg.w", torch.zeros(4, 6))
+        sh.flattened_range = slice(3, 9)
+        sh.data = torch.zeros(6)
+        bad["optimizer"] = sh
+    good = _hand_state(rank, world, [[rank, rank + 1], [rank + 2, rank + 3]], 0)
+    into = _hand_state(rank, world, [[2 * rank, 2 * rank + 2]], 1)
+    outcomes = []
+    for attempt in (
+        lambda: um.save(bad, path, config=config),
+        lambda: um.save(good, path, config=config),
+        lambda: um.load(into, path if rank == 0 else f"{path}-elsewhere", config=config),
+    ):
+        try:
+            attempt()
+            outcomes.append("done")
+        except CheckpointError as e:
+            outcomes.append(str(e))
+    return outcomes

@@ -333,3 +333,21 @@ def test_mixture_of_experts_reshards_over_expert_and_tensor_parallelism(tmp_path
     for i, name in ((0, "ep2"), (2, "edp2")):
         unique = _gathered([r[i]["params"] for r in saved], 1, 1)
         assert _stored_bytes(p[name]) == sum(v[0].numel() * 4 for v in unique.values())
+
+
+def test_a_save_or_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
+    """What a rank prepares alone before the collective save or load (mapping its entries,
+    reading the saved common keys) is agreed: its failure raises on every rank at once."""
+    path = str(tmp_path / "ckpt")
+    results = run_ranks(2, mj.one_rank_fails, path, timeout_s=300)
+    assert results[0] == results[1]
+    saved, good, loaded = results[0]
+    assert saved.startswith(
+        "mapping the Megatron sharded state dict failed on 1 of 2 ranks:\n  rank 1: "
+        "CheckpointError: ShardedTensor 'optimizer.exp_avg.w' has a flattened_range"
+    ), saved
+    assert good == "done"
+    assert loaded.startswith(
+        "preparing the Megatron load failed on 1 of 2 ranks:\n  rank 1: "
+        f"CheckpointNotFoundError: no checkpoint at {path}-elsewhere: "
+    ), loaded

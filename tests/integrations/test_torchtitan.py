@@ -19,6 +19,7 @@ pytest.importorskip("triton", reason="torchtitan's models import triton: pip ins
 
 from tests.distributed import run_ranks
 from tests.storage.s3_server import moto_server, new_bucket, raw_client
+from unickpt.errors import CheckpointError
 from unickpt.tools import inspect_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -330,3 +331,32 @@ def test_config_from_config_keeps_every_setting_of_the_registry_config(
     ]
     with pytest.raises(TypeError, match="has no field intervall; expected some of"):
         UnickptCheckpointManager.Config.from_config(registry, intervall=5)
+
+
+def _initial_load_found_by_one_rank(rank: int, world: int, folder: str) -> str:
+    from tests.integrations import titan_job as tj
+
+    os.environ["UNICKPT_COLLECTIVE_TIMEOUT_S"] = "20"  # a rank left waiting gives up soon
+    here = Path(folder, f"init-{rank}")
+    if rank == 1:
+        here.mkdir(parents=True, exist_ok=True)  # rank 1 finds a folder, rank 0 none
+    job = tj.build(world, 1, folder, 6, load_only=True, initial_load_path=str(here))
+    try:
+        job.manager.load()
+        return "loaded"
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        job.manager.close()
+
+
+def test_the_initial_load_path_is_looked_at_once_for_every_rank(tmp_path: Path) -> None:
+    """The ranks see different things at ``initial_load_path``: the first rank's finding
+    holds for every rank (all raise together; none goes into the load alone)."""
+    results = run_ranks(2, _initial_load_found_by_one_rank, str(tmp_path))
+    assert results[0] == results[1]
+    assert results[0].startswith(
+        "looking at checkpoint.initial_load_path failed on 1 of 2 ranks:\n  rank 0: "
+        f"CheckpointNotFoundError: checkpoint.initial_load_path {tmp_path}/init-0 is not a "
+        "folder"
+    ), results[0]

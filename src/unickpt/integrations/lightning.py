@@ -47,7 +47,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from .. import api
 from ..engine.futures import SaveFuture
 from ..errors import CheckpointError, CheckpointNotFoundError
-from .nested import from_state, load_nested, save_nested, template, to_state
+from .nested import every_rank, from_state, load_nested, save_nested, template, to_state
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,8 @@ class UnickptModelParallelStrategy(ModelParallelStrategy):
         self.wait()
         path = Path(self.broadcast(filepath))
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        state = {**self._live_state(), **to_state(rest, allow_pickle=False)}
+        prepared = every_rank(None, "preparing the save", lambda: to_state(rest, False))
+        state = {**self._live_state(), **prepared}
         if self.async_save:
             self._pending = api.async_save(path, state, overwrite=True)
         else:
@@ -176,7 +177,8 @@ class UnickptModelParallelStrategy(ModelParallelStrategy):
     ) -> dict[str, Any]:
         self.wait()
         path = Path(self.broadcast(checkpoint_path))
-        state = {**self._live_state(), **template(path)}
+        held = every_rank(None, "reading what the checkpoint holds", lambda: template(path))
+        state = {**self._live_state(), **held}
         api.load(path, state)
         loaded = from_state(state, allow_pickle=False)
         if not isinstance(loaded, dict):

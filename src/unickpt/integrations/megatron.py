@@ -49,6 +49,8 @@ from typing import Any
 import torch
 
 from .. import api
+from ..config import get_config
+from ..dist import Comm, on_every_rank
 from ..engine.commit import read_metadata
 from ..errors import CheckpointError
 from ..format.dtypes import dtype_from_name
@@ -105,7 +107,8 @@ def save(sharded_state_dict: dict[str, Any], path: str | os.PathLike[str], **kwa
     >>> from unickpt.integrations import megatron as um
     >>> um.save(model.sharded_state_dict(), "/ckpt/step-100")  # doctest: +SKIP
     """
-    mapped = _map(sharded_state_dict)
+    what = "mapping the Megatron sharded state dict"
+    mapped = on_every_rank(_comm(kwargs), what, lambda: _map(sharded_state_dict))
     api.save(path, mapped.state, **kwargs)
 
 
@@ -121,8 +124,14 @@ def load(sharded_state_dict: dict[str, Any], path: str | os.PathLike[str], **kwa
     >>> state = um.load(model.sharded_state_dict(), "/ckpt/step-100")  # doctest: +SKIP
     >>> model.load_state_dict(state)  # doctest: +SKIP
     """
-    mapped = _map(sharded_state_dict)
-    extra = _saved_common(path, mapped.state)
+
+    def prepare() -> tuple[_Mapped, dict[str, Any]]:
+        mapped = _map(sharded_state_dict)
+        return mapped, _saved_common(path, mapped.state)
+
+    # Each rank maps its entries and reads the checkpoint's common keys alone: a failure on one
+    # rank is raised on every rank here, before the load's collectives.
+    mapped, extra = on_every_rank(_comm(kwargs), "preparing the Megatron load", prepare)
     mapped.state.update(extra)
     api.load(path, mapped.state, **kwargs)  # values are put back into mapped.state
     for finish in [*mapped.copies, *mapped.merges]:
@@ -131,6 +140,12 @@ def load(sharded_state_dict: dict[str, Any], path: str | os.PathLike[str], **kwa
     for key in extra:
         _put_missing(loaded, key[len(COMMON) + 1 :].split("."), mapped.state[key])
     return loaded
+
+
+def _comm(kwargs: dict[str, Any]) -> Comm:
+    """The ranks of the save or load that ``kwargs`` (``group=``, ``config=``) describe."""
+    config = kwargs.get("config") or get_config()
+    return Comm(kwargs.get("group"), config.collective_timeout_s)
 
 
 def _saved_common(path: str | os.PathLike[str], state: dict[str, Any]) -> dict[str, Any]:

@@ -18,15 +18,20 @@ import json
 import math
 import os
 import pickle
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from .. import api
+from ..config import get_config
+from ..dist import Comm, on_every_rank
 from ..engine.futures import SaveFuture
 from ..errors import CheckpointCorruptError, CheckpointError, UnsafeObjectError
 from ..format.dtypes import dtype_from_name
 from ..tools import inspect_checkpoint
+
+T = TypeVar("T")
 
 TENSORS = "tensors"
 LAYOUT = "layout"
@@ -139,7 +144,7 @@ def save_nested(
     asynchronous: bool = False,
 ) -> SaveFuture:
     """Save ``obj`` at ``path`` (replacing a checkpoint there); asynchronous when asked."""
-    state = to_state(obj, allow_pickle)
+    state = every_rank(group, "preparing the save", lambda: to_state(obj, allow_pickle))
     if asynchronous:
         return api.async_save(path, state, group=group, overwrite=True)
     return SaveFuture.completed(api.save(path, state, group=group, overwrite=True))
@@ -149,7 +154,7 @@ def load_nested(
     path: str | os.PathLike[str], *, group: Any = None, allow_pickle: bool = False
 ) -> Any:
     """The object :func:`save_nested` saved at ``path``, tensors on the CPU."""
-    state = template(path)
+    state = every_rank(group, "reading what the checkpoint holds", lambda: template(path))
     try:
         api.load(path, state, group=group)
     except CheckpointError as e:
@@ -157,6 +162,12 @@ def load_nested(
             f"{path} is not a checkpoint written by unickpt's framework integrations ({e})"
         ) from e
     return from_state(state, allow_pickle)
+
+
+def every_rank(group: Any, what: str, fn: Callable[[], T]) -> T:
+    """``fn()`` on every rank of ``group`` (None: the world), its failure on any rank raised on
+    every rank: what a rank prepares alone before a collective save or load."""
+    return on_every_rank(Comm(group, get_config().collective_timeout_s), what, fn)
 
 
 def _join(path: str, key: Any) -> str:

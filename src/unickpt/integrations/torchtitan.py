@@ -56,7 +56,9 @@ from torchtitan.tools import filesystem
 
 from .. import api
 from ..checkpointer import Checkpointer
+from ..config import get_config
 from ..data.titan import TitanLoaderState
+from ..dist import Comm, decide
 from ..engine.futures import SaveFuture
 from ..errors import CheckpointError, CheckpointNotFoundError
 from . import StatefulView
@@ -299,7 +301,8 @@ class UnickptCheckpointManager(BaseCheckpointManager):
 
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
-        steps = self._ckpt.steps()
+        # listed once, by the first rank, for every rank: each rank then takes the same path
+        steps = decide(_comm(), "listing the checkpoints", self._ckpt.steps)
         if step != -1:
             if step not in steps:
                 raise CheckpointNotFoundError(
@@ -414,12 +417,22 @@ class UnickptCheckpointManager(BaseCheckpointManager):
 
 
 def _check_folder(path: str, what: str, expected: str) -> None:
-    """A local ``path`` must be a folder; a storage URL (``s3://...``) is left to the load."""
-    if not filesystem.is_remote(path) and not os.path.isdir(path):
-        raise CheckpointNotFoundError(
-            f"{what} {path} is not a folder; expected {expected} (convert others with "
-            "`unickpt convert --from ...`)."
-        )
+    """A local ``path`` must be a folder; a storage URL (``s3://...``) is left to the load.
+    Looked at by the first rank for every rank (all raise, or none)."""
+
+    def check() -> None:
+        if not filesystem.is_remote(path) and not os.path.isdir(path):
+            raise CheckpointNotFoundError(
+                f"{what} {path} is not a folder; expected {expected} (convert others with "
+                "`unickpt convert --from ...`)."
+            )
+
+    decide(_comm(), f"looking at {what}", check)
+
+
+def _comm() -> Comm:
+    """Every rank of the job (a world of one without torch.distributed)."""
+    return Comm(None, get_config().collective_timeout_s)
 
 
 def _log_saved(future: SaveFuture, begin: float) -> None:

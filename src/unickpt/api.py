@@ -226,8 +226,11 @@ def async_save(
         fut.set_result(report)
         fut.blocking_s = time.perf_counter() - fut.started_s
         return fut
+    check: Callable[[], None] | None = None
     try:
         sources = snapshot(prep.items, prep.views, ARENA, cfg.io_threads, intra_op=True)
+    except Exception as e:  # noqa: BLE001 - fails the write on every rank (the others wait there)
+        sources, check = [], _failing(e)
     except BaseException:
         if prep.release is not None:
             prep.release()
@@ -236,7 +239,7 @@ def async_save(
 
     def work() -> None:
         try:
-            _finish(prep, storage, sources, cfg, on_commit, fut)
+            _finish(prep, storage, sources, cfg, on_commit, fut, check)
         except BaseException as e:  # noqa: BLE001 - handed to the caller through wait()
             fut.set_exception(e)
 
@@ -265,7 +268,12 @@ def _deferred_save(
     budget = cfg.staging_budget_bytes if budget is None else budget
     comm = Comm(group, cfg.collective_timeout_s)  # may create a group: all ranks, this thread
     storage = storage_for(path)
-    captured = capture(state)
+    captured: Capture | None = None
+    failed: BaseException | None = None
+    try:
+        captured = capture(state)
+    except Exception as e:  # noqa: BLE001 - raised in the planning step, on every rank
+        failed = e
     marker = stream_marker()  # CUDA: the copy starts after the caller's queued kernels
     hold_steps(fut)
     with _PENDING_LOCK:
@@ -279,8 +287,16 @@ def _deferred_save(
                 previous.wait_done()
             with applying(layout):
                 prep = saver.prepare(
-                    comm, storage, captured.state, allow_pickle, overwrite, quantize, lock
+                    comm,
+                    storage,
+                    captured.state if captured is not None else {},
+                    allow_pickle,
+                    overwrite,
+                    quantize,
+                    lock,
+                    failed,
                 )
+            assert captured is not None  # else the planning step raised
             prep.incremental, prep.compress = incremental, compress
             if marker is not None:
                 marker.synchronize()
@@ -382,12 +398,17 @@ def _checked_snapshot(
     try:
         return snapshot(prep.items, prep.views, ARENA, cfg.io_threads, check), None
     except Exception as e:  # noqa: BLE001 - reported to every rank by the write
-        error = e
+        return [], _failing(e)
+
+
+def _failing(error: BaseException) -> Callable[[], None]:
+    """A check that raises ``error``: a copy that failed on this rank fails the write, which
+    every rank learns of (none waits for this one), and nothing is committed."""
 
     def fail() -> None:
         raise error
 
-    return [], fail
+    return fail
 
 
 def _finish(

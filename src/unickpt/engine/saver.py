@@ -117,18 +117,23 @@ def prepare(
     overwrite: bool,
     quantize: Mapping[str, int] | None = None,
     lock: bool = True,
+    failed: BaseException | None = None,
 ) -> PreparedSave:
     """Flatten, encode values, agree on the plan (cached while the structure is unchanged).
 
     ``quantize`` (table key -> bits) stores those tables quantized per row (see
     :mod:`unickpt.encoding.rowwise`). ``lock=False``: the caller holds a lock that covers
     ``storage`` (a Checkpointer holds its root's), so the save takes none of its own.
+    ``failed``: what failed on this rank before the save (a zero-stall save's capture), raised
+    in the planning step, so that every rank raises it instead of waiting for this one.
     """
     t0 = time.perf_counter()
     held: list[Callable[[], None]] = []
     encoded: dict[str, EncodedTable] = {}
 
     def describe() -> tuple[Any, Any]:
+        if failed is not None:
+            raise failed
         flat = flatten_state(state)
         if quantize:
             encoded.update(encode_leaves(flat, quantize))

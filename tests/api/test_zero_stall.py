@@ -7,7 +7,6 @@ the test does in between happens after the call and before the copy, every time.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from unickpt import api
 from unickpt.config import get_config
 from unickpt.engine import hold
 from unickpt.storage import LocalStorage
+from unickpt.storage.base import HeldLock
 
 _TORN = r"was changed in place after the zero-stall save was called and before its copy"
 
@@ -33,7 +33,7 @@ class _GatedStorage(LocalStorage):
         super().__init__(path)
         self.gate = threading.Event()
 
-    def acquire_lock(self) -> Callable[[], None]:
+    def acquire_lock(self) -> HeldLock:
         self.gate.wait(120)
         return super().acquire_lock()
 

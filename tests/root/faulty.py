@@ -7,12 +7,12 @@ to, and how many requests fail. Everything else reaches the real file system.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from unickpt.errors import CheckpointError
-from unickpt.storage.base import Storage, WriteHandle
+from unickpt.storage.base import HeldLock, Storage, WriteHandle
 from unickpt.storage.local import LocalStorage
 
 
@@ -92,7 +92,7 @@ class FaultyStorage(LocalStorage):
         self._at("create", name)
         return super().create(name, part_sizes)
 
-    def acquire_lock(self) -> Callable[[], None]:
+    def acquire_lock(self) -> HeldLock:
         self._at("acquire_lock", "")
         return super().acquire_lock()
 

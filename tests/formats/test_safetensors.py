@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,39 @@ def test_sharded_model_loads_into_one_rank_with_key_mapping(tmp_path: Path) -> N
     assert report.unverified_files and all(
         f.endswith(".safetensors") for f in report.unverified_files
     )
+
+
+def logits_of(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.arange(12).reshape(2, 6) % model.config.vocab_size
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+def test_tied_head_loads_with_the_embedding_it_shares(tmp_path: Path) -> None:
+    """GPT-2's head shares the embedding's memory and save_pretrained stores it once: the
+    head is loaded with the embedding, strict, with no warning under strict=False."""
+    model = tiny_gpt2(4)
+    model.save_pretrained(tmp_path / "hf")
+    for strict in (True, False):
+        fresh = tiny_gpt2(5)
+        assert fresh.lm_head.weight is fresh.transformer.wte.weight
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            report = unickpt.load(
+                tmp_path / "hf", {"model": fresh}, keys=lambda k: "model." + k, strict=strict
+            )
+        assert report.skipped_keys == () and report.unread_keys == ()
+        assert_bitwise(logits_of(fresh), logits_of(model), "logits")
+    # any checkpoint: a unickpt one that holds the embedding only
+    emb = torch.randn(6, 4)
+    unickpt.save(tmp_path / "u", {"m": {"emb": emb}})
+    shared = torch.zeros(6, 4)
+    state = {"m": {"emb": shared, "head": shared}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        unickpt.load(tmp_path / "u", state, strict=False)
+        unickpt.load(tmp_path / "u", state)
+    assert_bitwise(state["m"]["head"], emb, "head")
 
 
 def test_single_file_loads_by_its_path_and_by_its_folder(tmp_path: Path) -> None:

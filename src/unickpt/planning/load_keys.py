@@ -51,7 +51,9 @@ class KeyMatch:
     differ, with what differs (``kind``, ``shape`` or ``dtype``) and how; both keep their current
     values.
     ``resolved``: each tensor key of the state to the stored key it reads (itself, or the key it
-    is tied to in the checkpoint).
+    is tied to in the checkpoint). A further key of a tensor the state holds twice (tied
+    weights: ``lm_head.weight`` sharing ``wte.weight``'s memory) is loaded with the tensor and
+    is never missing, whether or not the checkpoint stores it (``save_pretrained`` omits it).
     """
 
     missing: tuple[str, ...]
@@ -105,7 +107,10 @@ def match_keys(meta: Metadata, flat: Flattened, strict: bool) -> KeyMatch:
             differ[key] = Difference(
                 "kind", f"'{key}' is a PerRank value in the state but {_in(meta, key)}"
             )
-    missing = sorted(k for k in flat.keys() - saved if k not in resolved)
+    loaded = {k for k in resolved if k not in differ}
+    missing = sorted(
+        k for k in flat.keys() - saved if k not in resolved and flat.aliases.get(k) not in loaded
+    )
     if strict and (missing or differ):
         raise CheckpointMismatchError(_mismatch_message(missing, differ, flat.numbered))
     return KeyMatch(tuple(missing), differ, resolved)

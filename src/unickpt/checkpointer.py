@@ -32,6 +32,8 @@ from .errors import (
 )
 from .format.metadata import Metadata
 from .layouts.rules import LayoutMap
+from .planning.load_keys import KeyMap
+from .planning.save_keys import StateKeys
 from .root import Root, RootIdentity
 from .root.names import committed_steps, open_checkpoint, step_folders, step_name
 from .storage.base import Storage
@@ -96,7 +98,9 @@ class Checkpointer:
     save (see :func:`unickpt.save`); ``compress=True`` stores every save losslessly compressed.
     ``staging_bytes`` bounds the host memory an asynchronous save's snapshot takes (see
     :func:`unickpt.async_save`). ``layout`` (patterns of keys -> wrappers: fused, padded and
-    replicated tensors, see docs/layouts.md) applies to every save and load.
+    replicated tensors, see docs/layouts.md) applies to every save and load. ``keys`` (a dict
+    or a function from state key to saved key, as for :func:`unickpt.save`) renames the keys
+    of every save, and ``load_latest`` reads them back under the state's keys.
 
     >>> ckpt = unickpt.Checkpointer("runs/gpt", every="auto", max_overhead=0.01)  # doctest: +SKIP
     >>> for step in range(start, steps):  # doctest: +SKIP
@@ -124,6 +128,7 @@ class Checkpointer:
         compress: bool = False,
         staging_bytes: int | None = None,
         layout: LayoutMap | None = None,
+        keys: KeyMap | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last is {keep_last}; expected None or at least 1.")
@@ -131,6 +136,11 @@ class Checkpointer:
             raise CheckpointError(f"full_every is {full_every}; expected at least 1.")
         if row_deltas and not incremental:
             raise CheckpointError("row_deltas needs incremental=True; pass both.")
+        if keys is not None and memory is not None:
+            raise CheckpointError(
+                "keys= and a memory tier were both given; a memory tier saves and restores "
+                "under the state's own keys. Pass one of them."
+            )
         if incremental and memory is not None:
             raise CheckpointError(
                 "incremental=True and a memory tier were both given; incremental saves are "
@@ -146,6 +156,7 @@ class Checkpointer:
         self.compress = check_compress(compress)  # lossless, per chunk: unickpt.save's
         self.staging_bytes = staging_bytes  # host memory of a snapshot: async_save's
         self.layout = layout  # fused, padded, replicated tensors: save's and load's
+        self.keys = keys  # state key -> saved key, in every save and (inversely) load
         self._comm = Comm(group, self.config.collective_timeout_s)
         self._root = Root(self.storage, self._comm)
         self._pending: SaveFuture | None = None
@@ -250,6 +261,7 @@ class Checkpointer:
                 compress=self.compress,
                 lock=False,
                 layout=self.layout,
+                keys=self.keys,
             )
             self._retain(step)
             return SaveFuture.completed(report)
@@ -267,6 +279,7 @@ class Checkpointer:
             lock=False,
             staging_bytes=self.staging_bytes,
             layout=self.layout,
+            keys=self.keys,
         )
         return self._pending
 
@@ -379,6 +392,7 @@ class Checkpointer:
                     strict=strict,
                     config=self.config,
                     layout=self.layout,
+                    keys=None if self.keys is None else StateKeys(self.keys),
                 )
             except CheckpointError as e:
                 if not self._fall_back(step, e):

@@ -94,6 +94,26 @@ def test_tied_head_loads_with_the_embedding_it_shares(tmp_path: Path) -> None:
     assert_bitwise(state["m"]["head"], emb, "head")
 
 
+@pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama], ids=["gpt2-tied", "llama"])
+def test_saved_names_are_those_from_pretrained_reads(tmp_path: Path, make) -> None:
+    """keys= renames the state's keys in a save: from_pretrained reads the folder with every
+    weight found (logits bitwise equal), and a load takes the inverse map."""
+    model = make(6)
+    out = tmp_path / "out"
+    unickpt.save(
+        out, {"model": model}, format="safetensors", keys=lambda k: k.removeprefix("model.")
+    )
+    model.config.save_pretrained(out)
+    loaded, info = type(model).from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info  # nothing missing, unexpected or mismatched
+    assert_bitwise(logits_of(loaded), logits_of(model), "logits")
+    fresh = make(7)
+    unickpt.load(out, {"model": fresh}, keys=lambda k: "model." + k)
+    assert_bitwise(logits_of(fresh), logits_of(model), "logits")
+    with pytest.raises(CheckpointError, match="the same saved key 'w'"):
+        unickpt.save(tmp_path / "x", {"model": model}, format="safetensors", keys=lambda k: "w")
+
+
 def test_single_file_loads_by_its_path_and_by_its_folder(tmp_path: Path) -> None:
     tensors = {
         "a": torch.randn(5, 7),

@@ -188,6 +188,7 @@ class Checkpointer:
             # Its collectives run while saves write in the background: a group of their own.
             self._tuner_comm = dedicated_comm(group, self.config.collective_timeout_s)
         self._started = False
+        self._last_step: int | None = None  # of the last save called
 
     @property
     def memory_stats(self) -> MemoryStats | None:
@@ -225,6 +226,11 @@ class Checkpointer:
         save is handed to every rank with its error: a save that fails, fails on every rank,
         and every rank is ready for the next one.
         """
+        future = self._save(step, state)
+        self._last_step = step
+        return future
+
+    def _save(self, step: int, state: dict[str, Any]) -> SaveFuture:
         self.wait()
         if step < 0:
             raise CheckpointError(f"step is {step}; expected a non-negative integer.")
@@ -444,10 +450,22 @@ class Checkpointer:
         finally:  # cleared once over: a signal handler run in the wait still sees it
             self._pending = None
 
-    def close(self) -> None:
+    def close(self, final_step: int | None = None, state: dict[str, Any] | None = None) -> None:
         """Wait for pending saves and release the root; with a memory tier, persist what
-        storage lacks and free the job's memory."""
+        storage lacks and free the job's memory.
+
+        With ``final_step`` and ``state`` (a loop's last step, which its ``every`` or its own
+        interval may have left unsaved), ``state`` is saved as ``final_step`` first, unless this
+        Checkpointer's last save was that step. Every rank passes the same.
+        """
+        if (final_step is None) != (state is None):
+            raise CheckpointError(
+                "close() takes final_step and state together (the loop's last step and its "
+                "state), or neither."
+            )
         try:
+            if final_step is not None and state is not None and final_step != self._last_step:
+                self.save(final_step, state)
             self.wait()
             if self._tier is not None:
                 self._tier.close()

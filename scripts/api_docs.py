@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import itertools
 import re
 import sys
 import textwrap
@@ -33,7 +34,10 @@ SECTIONS: list[tuple[str, list[str]]] = [
         ["SaveFuture", "unickpt.engine.saver:SaveReport", "unickpt.engine.loader:LoadReport"],
     ),
     ("Training loops", ["Checkpointer", "RNGState", "MemoryTier"]),
-    ("Leaves of a state", ["PerRank", "ShardedTensor", "FlatShard", "Fused", "Padded", "Replicated"]),
+    (
+        "Leaves of a state",
+        ["PerRank", "ShardedTensor", "FlatShard", "Fused", "Padded", "Replicated"],
+    ),
     ("Layout rules", ["fused_glu", "fused_qkv", "padded_vocab", "replicated"]),
     ("Settings", ["Config", "get_config"]),
     (
@@ -130,7 +134,7 @@ def document_class(public: str, cls: type, tag: str) -> str:
     for name, member in members(cls):
         kind = "property" if isinstance(member, property) else "method"
         target = member.fget if isinstance(member, property) else member
-        head = f"`.{name}`" if kind == "property" else f"`.{name}{params(target, True)}`"
+        head = f"`.{name}`" if kind == "property" else f"`.{name}{params(target)}`"
         text = docstring(target).replace("\n", "\n  ") or "(undocumented)"
         lines.append(f"- {kind} {head}: {text}")
     return "\n".join(lines).rstrip() + "\n"
@@ -176,7 +180,7 @@ def attribute_docs(cls: type) -> dict[str, str]:
         return {}
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
     out = {}
-    for this, following in zip(body, body[1:]):
+    for this, following in itertools.pairwise(body):
         if (
             isinstance(this, ast.AnnAssign)
             and isinstance(this.target, ast.Name)
@@ -203,7 +207,7 @@ def signature(public: str, obj: Any) -> str:
     return f"{public}(\n{body}){result}"
 
 
-def params(func: Any, drop_self: bool) -> str:
+def params(func: Any) -> str:
     return f"({', '.join(arguments(func))})"
 
 

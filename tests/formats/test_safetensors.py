@@ -92,6 +92,16 @@ def test_tied_head_loads_with_the_embedding_it_shares(tmp_path: Path) -> None:
         unickpt.load(tmp_path / "u", state, strict=False)
         unickpt.load(tmp_path / "u", state)
     assert_bitwise(state["m"]["head"], emb, "head")
+    # a view inside a loaded tensor (rows of it, a transpose) is loaded with it
+    state = {"m": {"emb": shared, "rows": shared[2:4], "t": shared.t()}}
+    shared.zero_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = unickpt.load(tmp_path / "u", state)
+    assert report.skipped_keys == ()
+    assert_bitwise(state["m"]["rows"], emb[2:4].clone(), "rows")
+    with pytest.raises(CheckpointMismatchError, match=r"lacks: 'm\.own'"):
+        unickpt.load(tmp_path / "u", {"m": {"emb": shared, "own": torch.zeros(2)}})
 
 
 @pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama], ids=["gpt2-tied", "llama"])

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from ..tools.inspection import inspect_checkpoint, select_entries, unmatched_patterns
 
     try:
-        summary = inspect_checkpoint(open_source(args.path, args.step))
+        summary = inspect_checkpoint(open_source(args.path, args.step), foreign=True)
         selected = select_entries(summary, args.keys, args.only)
     except CheckpointError as e:
         return print_error(e)

@@ -110,9 +110,11 @@ class CheckpointSummary:
         return doc
 
 
-def inspect_checkpoint(path: str | os.PathLike[str] | Storage) -> CheckpointSummary:
-    """Describe the committed checkpoint at ``path`` (reads the metadata, not the data); a
-    folder holding a safetensors model or a DCP folder instead is described as
+def inspect_checkpoint(
+    path: str | os.PathLike[str] | Storage, *, foreign: bool = False
+) -> CheckpointSummary:
+    """Describe the committed checkpoint at ``path`` (reads the metadata, not the data). With
+    ``foreign``, a folder holding a safetensors model or a DCP folder instead is described as
     :func:`unickpt.load` reads it (its producer names the format).
 
     >>> s = inspect_checkpoint("ckpt/step-100")  # doctest: +SKIP
@@ -123,10 +125,10 @@ def inspect_checkpoint(path: str | os.PathLike[str] | Storage) -> CheckpointSumm
         record, meta = read_checkpoint(storage)
         save_id = record.save_id
     except CheckpointNotFoundError:
-        foreign = _foreign(storage)
-        if foreign is None:
+        translated = _foreign(storage) if foreign else None
+        if translated is None:
             raise
-        meta, save_id = foreign, ""
+        meta, save_id = translated, ""
     return CheckpointSummary(
         path=storage.location,
         format_version=meta.version,

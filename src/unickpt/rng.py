@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError
-from .layouts.leaves import PerRank
+from .layouts.leaves import PerRank, Reshard
 
 _KEY = "generators"
 
@@ -36,8 +36,8 @@ class RNGState:
     >>> unickpt.load("ckpt/step-100", state)  # the generators of step 100 again  # doctest: +SKIP
     """
 
-    def __init__(self, on_world_change: Any = None) -> None:
-        self.on_world_change = on_world_change or _own_or_current
+    def __init__(self, on_world_change: str | Reshard | None = None) -> None:
+        self.on_world_change: str | Reshard = on_world_change or _own_or_current
 
     def state_dict(self) -> dict[str, Any]:
         """The generators' states now, as one per-rank value."""

@@ -1,7 +1,7 @@
 """Hugging Face Trainer through unickpt: a tiny GPT-2 from a config (no downloads), stopped at
 step 4, resumed, exported with save_pretrained; one CPU process, seconds.
 
-    pip install "unickpt[huggingface]" && HF_HUB_OFFLINE=1 python examples/huggingface_resume.py
+    pip install -e ".[huggingface]" && HF_HUB_OFFLINE=1 python examples/huggingface_resume.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Lightning through unickpt: fit, stop, resume from last.ckpt; one CPU process, seconds.
 
-pip install "unickpt[lightning]" && python examples/lightning_resume.py
+pip install -e ".[lightning]" && python examples/lightning_resume.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """torchtitan through unickpt: its debug model under FSDP2 on 2 CPU processes saves every 2 steps;
 a second job resumes from step 4 and ends where the uninterrupted one ended; under a minute.
 
-pip install "unickpt[torchtitan]" && python examples/torchtitan_resume.py
+pip install -e ".[torchtitan]" && python examples/torchtitan_resume.py
 
 torchtitan assumes an accelerator: on CPU its device type is set to ``cpu``, attention uses its
 SDPA module (flex attention has no CPU backward) and FSDP reduces gradients with a plain sum

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     )
     from .layouts.leaves import FlatShard, Fused, Padded, PerRank, Replicated, ShardedTensor
     from .layouts.rules import fused_glu, fused_qkv, padded_vocab, replicated
+    from .rng import RNGState
     from .tiers.memory import MemoryTier
 
 # Public names, imported on first use: ``import unickpt`` (and ``unickpt --version``) stays
@@ -66,6 +67,7 @@ _LAZY = {
     "padded_vocab": ".layouts.rules",
     "replicated": ".layouts.rules",
     "MemoryTier": ".tiers.memory",
+    "RNGState": ".rng",
 }
 
 
@@ -103,6 +105,7 @@ __all__ = [
     "MemoryTier",
     "Padded",
     "PerRank",
+    "RNGState",
     "Replicated",
     "SaveFuture",
     "ShardedTensor",

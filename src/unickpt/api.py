@@ -38,6 +38,7 @@ from .format.metadata import Metadata
 from .layouts.rules import LayoutMap, applying
 from .planning.capture import Capture, capture
 from .planning.load_keys import KeyMap
+from .planning.save_keys import StateKeys
 from .storage.base import Storage
 from .storage.registry import open_storage
 
@@ -83,6 +84,7 @@ def save(
     format: str = "unickpt",
     max_shard_size: int | str = "5GB",
     layout: LayoutMap | None = None,
+    keys: KeyMap | None = None,
 ) -> saver.SaveReport:
     """Save ``state`` to ``path``; durable and committed when it returns.
 
@@ -107,6 +109,13 @@ def save(
     (``{"*.linear_fc1.weight": unickpt.fused_glu(tp_rank, tp_size)}``: fused, padded and
     replicated tensors, see docs/layouts.md); load with the same map.
 
+    ``keys`` renames the state's keys to the saved ones, for every format: a dict (keys it
+    lacks keep their name) or a function from state key to saved key (None keeps the name).
+    ``keys=lambda k: k.removeprefix("model.")`` saves ``{"model": model}`` under the names a
+    Hugging Face model's ``from_pretrained`` reads; :func:`load` takes the inverse
+    (``keys=lambda k: "model." + k``). ``quantize`` and ``row_deltas`` name saved keys,
+    ``layout`` the state's.
+
     >>> import torch, unickpt
     >>> model = torch.nn.Linear(4, 2)
     >>> unickpt.save("/tmp/unickpt-doc/ckpt", {"model": model}, overwrite=True)  # doctest: +SKIP
@@ -118,11 +127,11 @@ def save(
     if format != "unickpt":
         from .foreign.safetensors_write import save_safetensors
 
-        return save_safetensors(path, state, comm, format, max_shard_size, overwrite, cfg)
+        return save_safetensors(path, state, comm, format, max_shard_size, overwrite, cfg, keys)
     storage = storage_for(path)
     quantized, compress = check_quantize(quantize), check_compress(compress)
     with applying(layout):
-        prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock)
+        prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock, keys)
     prep.incremental, prep.compress = incremental, compress
     sources = [ItemSource(v) for v in prep.views]
     return saver.write_and_commit(prep, storage, sources, cfg, progress)
@@ -144,6 +153,7 @@ def async_save(
     layout: LayoutMap | None = None,
     compress: bool = False,
     staging_bytes: int | None = None,
+    keys: KeyMap | None = None,
 ) -> SaveFuture:
     """Snapshot ``state`` and return; write, fsync and commit go on in the background.
 
@@ -167,7 +177,7 @@ def async_save(
     cannot be seen; make them after ``fut.wait_snapshot()``. Errors of planning (an existing
     checkpoint, an unpicklable value) surface in ``wait()``. ``on_commit`` runs on every rank,
     in the background, once the checkpoint is committed (retention and replication hook in
-    there). ``quantize``, ``lock`` and ``layout`` are as for :func:`save`.
+    there). ``quantize``, ``lock``, ``layout`` and ``keys`` are as for :func:`save`.
 
     ``staging_bytes`` bounds the host memory the snapshot takes (default: the config's
     ``staging_budget_bytes``, 16 GiB). A rank whose state is larger is copied through a ring of
@@ -203,12 +213,13 @@ def async_save(
             layout,
             compress,
             budget,
+            keys,
         )
     wait_pending()
     comm = Comm(group, cfg.collective_timeout_s)
     storage = storage_for(path)
     with applying(layout):
-        prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock)
+        prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock, keys)
     prep.incremental, prep.compress = incremental, compress
     if prep.nbytes > budget and _can_stage(prep, budget, cfg):
         stager = Stager(prep.views, budget, ARENA, on_copied=fut.set_snapshot_done)
@@ -262,6 +273,7 @@ def _deferred_save(
     layout: LayoutMap | None = None,
     compress: bool = False,
     budget: int | None = None,
+    keys: KeyMap | None = None,
 ) -> SaveFuture:
     """Zero-stall: capture in the call; plan, copy and write in the background, while every
     optimizer step of the process waits for the copy."""
@@ -294,6 +306,7 @@ def _deferred_save(
                     overwrite,
                     quantize,
                     lock,
+                    keys,
                     failed,
                 )
             assert captured is not None  # else the planning step raised
@@ -354,7 +367,7 @@ def _checked_stager(
     """A stager whose copies check each tensor unchanged since the call (zero-stall)."""
 
     def check(i: int) -> None:
-        captured.check(prep.items[i].key)
+        captured.check(prep.state_key(prep.items[i].key))
 
     return Stager(prep.views, budget, ARENA, check=check, on_copied=fut.set_snapshot_done)
 
@@ -382,7 +395,7 @@ def _finish_staged(
 
 def _unchanged(prep: saver.PreparedSave, captured: Capture) -> Callable[[], None]:
     """A check that every tensor this rank writes still has its version of the call."""
-    keys = [i.key for i in prep.items]
+    keys = [prep.state_key(i.key) for i in prep.items]
     return lambda: captured.check_all(keys)
 
 
@@ -393,7 +406,7 @@ def _checked_snapshot(
     fails the write, so that every rank learns of it and nothing is committed."""
 
     def check(i: int) -> None:
-        captured.check(prep.items[i].key)
+        captured.check(prep.state_key(prep.items[i].key))
 
     try:
         return snapshot(prep.items, prep.views, ARENA, cfg.io_threads, check), None
@@ -464,7 +477,7 @@ def load(
     allow_pickle: bool = False,
     verify: bool | None = None,
     config: Config | None = None,
-    keys: KeyMap | None = None,
+    keys: KeyMap | StateKeys | None = None,
     layout: LayoutMap | None = None,
     dequantize: bool | tuple[int, int] = False,
 ) -> LoadReport:

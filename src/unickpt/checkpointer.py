@@ -32,6 +32,8 @@ from .errors import (
 )
 from .format.metadata import Metadata
 from .layouts.rules import LayoutMap
+from .planning.load_keys import KeyMap
+from .planning.save_keys import StateKeys
 from .root import Root, RootIdentity
 from .root.names import committed_steps, open_checkpoint, step_folders, step_name
 from .storage.base import Storage
@@ -96,7 +98,9 @@ class Checkpointer:
     save (see :func:`unickpt.save`); ``compress=True`` stores every save losslessly compressed.
     ``staging_bytes`` bounds the host memory an asynchronous save's snapshot takes (see
     :func:`unickpt.async_save`). ``layout`` (patterns of keys -> wrappers: fused, padded and
-    replicated tensors, see docs/layouts.md) applies to every save and load.
+    replicated tensors, see docs/layouts.md) applies to every save and load. ``keys`` (a dict
+    or a function from state key to saved key, as for :func:`unickpt.save`) renames the keys
+    of every save, and ``load_latest`` reads them back under the state's keys.
 
     >>> ckpt = unickpt.Checkpointer("runs/gpt", every="auto", max_overhead=0.01)  # doctest: +SKIP
     >>> for step in range(start, steps):  # doctest: +SKIP
@@ -124,6 +128,7 @@ class Checkpointer:
         compress: bool = False,
         staging_bytes: int | None = None,
         layout: LayoutMap | None = None,
+        keys: KeyMap | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last is {keep_last}; expected None or at least 1.")
@@ -131,6 +136,11 @@ class Checkpointer:
             raise CheckpointError(f"full_every is {full_every}; expected at least 1.")
         if row_deltas and not incremental:
             raise CheckpointError("row_deltas needs incremental=True; pass both.")
+        if keys is not None and memory is not None:
+            raise CheckpointError(
+                "keys= and a memory tier were both given; a memory tier saves and restores "
+                "under the state's own keys. Pass one of them."
+            )
         if incremental and memory is not None:
             raise CheckpointError(
                 "incremental=True and a memory tier were both given; incremental saves are "
@@ -146,6 +156,7 @@ class Checkpointer:
         self.compress = check_compress(compress)  # lossless, per chunk: unickpt.save's
         self.staging_bytes = staging_bytes  # host memory of a snapshot: async_save's
         self.layout = layout  # fused, padded, replicated tensors: save's and load's
+        self.keys = keys  # state key -> saved key, in every save and (inversely) load
         self._comm = Comm(group, self.config.collective_timeout_s)
         self._root = Root(self.storage, self._comm)
         self._pending: SaveFuture | None = None
@@ -177,6 +188,7 @@ class Checkpointer:
             # Its collectives run while saves write in the background: a group of their own.
             self._tuner_comm = dedicated_comm(group, self.config.collective_timeout_s)
         self._started = False
+        self._last_step: int | None = None  # of the last save called
 
     @property
     def memory_stats(self) -> MemoryStats | None:
@@ -216,6 +228,11 @@ class Checkpointer:
         save is handed to every rank with its error: a save that fails, fails on every rank,
         and every rank is ready for the next one.
         """
+        future = self._save(step, state)
+        self._last_step = step
+        return future
+
+    def _save(self, step: int, state: dict[str, Any]) -> SaveFuture:
         self.wait()
         if step < 0:
             raise CheckpointError(f"step is {step}; expected a non-negative integer.")
@@ -254,6 +271,7 @@ class Checkpointer:
                 compress=self.compress,
                 lock=False,
                 layout=self.layout,
+                keys=self.keys,
             )
             self._retain(step)
             return SaveFuture.completed(report)
@@ -271,6 +289,7 @@ class Checkpointer:
             lock=False,
             staging_bytes=self.staging_bytes,
             layout=self.layout,
+            keys=self.keys,
         )
         return self._pending
 
@@ -383,6 +402,7 @@ class Checkpointer:
                     strict=strict,
                     config=self.config,
                     layout=self.layout,
+                    keys=None if self.keys is None else StateKeys(self.keys),
                 )
             except CheckpointError as e:
                 if not self._fall_back(step, e):
@@ -434,10 +454,22 @@ class Checkpointer:
         finally:  # cleared once over: a signal handler run in the wait still sees it
             self._pending = None
 
-    def close(self) -> None:
+    def close(self, final_step: int | None = None, state: dict[str, Any] | None = None) -> None:
         """Wait for pending saves and release the root; with a memory tier, persist what
-        storage lacks and free the job's memory."""
+        storage lacks and free the job's memory.
+
+        With ``final_step`` and ``state`` (a loop's last step, which its ``every`` or its own
+        interval may have left unsaved), ``state`` is saved as ``final_step`` first, unless this
+        Checkpointer's last save was that step. Every rank passes the same.
+        """
+        if (final_step is None) != (state is None):
+            raise CheckpointError(
+                "close() takes final_step and state together (the loop's last step and its "
+                "state), or neither."
+            )
         try:
+            if final_step is not None and state is not None and final_step != self._last_step:
+                self.save(final_step, state)
             self.wait()
             if self._tier is not None:
                 self._tier.close()

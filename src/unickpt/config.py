@@ -15,14 +15,25 @@ class Config:
     """Engine settings. Read once per call from the environment; see :func:`get_config`."""
 
     io_threads: int = 4
+    """Threads per rank that write and read files (and S3 requests in flight)."""
     window_bytes: int = 64 * MiB
+    """A data file is written in parts of about this size."""
     segment_bytes: int = 1 * MiB
+    """Checksum segment: chunks are hashed in pieces of this size; verified loads read whole
+    segments."""
     small_chunk_bytes: int = 1 * MiB
+    """Chunks below this are never cut across parts."""
     staging_budget_bytes: int = 16 * 1024 * MiB
+    """The most host memory an asynchronous save's snapshot takes per rank (a larger state is
+    copied through a ring of this size as it is written)."""
     read_piece_bytes: int = 64 * MiB
+    """Loads read large chunks in pieces of about this size."""
     verify: bool = True
+    """Check every chunk's checksums on load."""
     share_reads: bool = True
+    """Ranks on one host read each saved chunk once and share it (resharded loads)."""
     collective_timeout_s: float = 1800.0
+    """How long a rank waits for the others in a collective before failing."""
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:

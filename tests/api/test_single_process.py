@@ -291,3 +291,52 @@ def test_load_keeps_the_config_when_verify_is_given(tmp_path: Path) -> None:
     assert storage.readers == {threading.current_thread().name}  # io_threads=1 was kept
     assert torch.equal(dest["b"], state["b"]) and torch.equal(dest["a"][1:], state["a"][1:])
     assert not torch.equal(dest["a"][:1], state["a"][:1])  # verify=False was applied
+
+
+def test_keys_rename_every_save_and_the_checkpointer_loads_them_back(tmp_path: Path) -> None:
+    """keys= of save, async_save (zero-stall too) and the Checkpointer: the checkpoint holds
+    the renamed keys (tied weights stay one tensor); loads take them back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].weight = model[0].weight  # tied
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    state = {"model": model, "opt": opt, "step": 3}
+    drop = {"model.0.weight": "w0", "model.0.bias": "b0", "model.1.weight": "w1", "step": "n"}
+    unickpt.save(tmp_path / "s", state, keys=drop)
+    unickpt.async_save(tmp_path / "a", state, keys=drop).wait()
+    unickpt.async_save(tmp_path / "z", state, keys=drop, background_snapshot=True).wait()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    for name in ("s", "a", "z"):
+        meta = unickpt.tools.inspect_checkpoint(tmp_path / name)
+        keys = {t.key for t in meta.tensors} | {o.key for o in meta.objects}
+        assert {"w0", "b0", "model.1.bias", "n"} <= keys and "model.0.weight" not in keys
+        fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        fresh[1].weight = fresh[0].weight
+        back = {"model": fresh, "step": 0}
+        inverse = {v: k for k, v in drop.items()}
+        unickpt.load(tmp_path / name, back, keys=inverse, strict=False)
+        for k, v in fresh.state_dict().items():
+            assert torch.equal(v, expected[k]), (name, k)
+        assert back["step"] == 3
+    with unickpt.Checkpointer(tmp_path / "root", keys=lambda k: "x." + k) as ckpt:
+        ckpt.save(7, state)
+        ckpt.wait()
+        saved = unickpt.tools.inspect_checkpoint(ckpt.path(7)).tensors
+        assert {t.key for t in saved} >= {
+            "x.model.0.weight",
+            "x.opt.state.0.weight.momentum_buffer",
+        }
+        fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        fresh[1].weight = fresh[0].weight
+        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+        fresh(torch.randn(2, 4)).sum().backward()
+        fresh_opt.step()
+        back = {"model": fresh, "opt": fresh_opt, "step": 0}
+        assert ckpt.load_latest(back) == 7
+        assert back["step"] == 3 and torch.equal(fresh[0].weight, model[0].weight)
+        momentum = opt.state[model[0].weight]["momentum_buffer"]
+        assert torch.equal(fresh_opt.state[fresh[0].weight]["momentum_buffer"], momentum)
+    with pytest.raises(CheckpointError, match="keys= and a memory tier"):
+        unickpt.Checkpointer(tmp_path / "m", keys={}, memory=unickpt.MemoryTier())

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import unickpt
+from unickpt.errors import CheckpointError
 
 
 def _state(value: float) -> dict[str, object]:
@@ -70,3 +71,22 @@ def test_readers_never_lock(tmp_path: Path) -> None:
         reader = unickpt.Checkpointer(tmp_path)
         writer.save(4, _state(4))
         assert reader.steps() == [3, 4] and reader.load_latest(dest) == 4
+
+
+def test_close_saves_the_last_step_a_loop_left_unsaved(tmp_path: Path) -> None:
+    state = {"w": torch.zeros(3), "step": 0}
+    for total, saved in ((6, [0, 3, 5]), (7, [0, 3, 6])):
+        ckpt = unickpt.Checkpointer(tmp_path / f"run{total}")
+        for step in range(total):
+            state["w"].add_(1.0)
+            state["step"] = step
+            if step % 3 == 0:
+                ckpt.save(step, state)
+        ckpt.close(final_step=total - 1, state=state)
+        assert ckpt.steps() == saved
+        back = {"w": torch.zeros(3), "step": -1}
+        assert unickpt.Checkpointer(tmp_path / f"run{total}").load_latest(back) == total - 1
+        assert back["step"] == total - 1 and torch.equal(back["w"], state["w"])
+        state["w"].zero_()
+    with pytest.raises(CheckpointError, match="final_step and state together"):
+        unickpt.Checkpointer(tmp_path / "x").close(final_step=3)

@@ -5,6 +5,7 @@ command's flags and the folder a Hugging Face checkpoint keeps its checkpoint in
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,80 @@ def test_convert_says_which_tied_tensor_it_left_out(
         == 2
     )
     assert "--untie applies to --to safetensors" in capsys.readouterr().err
+
+
+def test_inspect_keys_that_match_nothing_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _titan_like(tmp_path / "c", layers=2)
+    assert main(["inspect", str(tmp_path / "c"), "--keys", "*.lr", "--keys", "*.nope"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "error: --keys '*.nope' matches no key of" in captured.err
+
+
+def test_inspect_shows_safetensors_and_dcp_folders(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    tensors = {"w": torch.randn(4, 3), "b": torch.arange(5, dtype=torch.int32)}
+    st.save_file(tensors, tmp_path / "model.safetensors")
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Hugging Face safetensors, as unickpt.load reads it" in out and "COMMIT" not in out
+    rows = {
+        line.split()[0]: line.split()[1:3] for line in out.splitlines() if line[:2] in ("w ", "b ")
+    }
+    assert rows["w"] == ["float32", "[4,"] and rows["b"] == ["int32", "[5]"]
+    dcp.save({"m": {"w": torch.randn(6, 2)}, "step": 3}, checkpoint_id=str(tmp_path / "d"))
+    assert main(["inspect", str(tmp_path / "d"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["producer"]["foreign_format"] == "dcp"
+    assert [(t["key"], t["shape"]) for t in doc["tensors"]] == [("m.w", [6, 2])]
+    assert main(["inspect", str(tmp_path / "nothing")]) == 2
+    assert "COMMIT" in capsys.readouterr().err
+
+
+def test_diff_compares_two_steps_of_one_root(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with unickpt.Checkpointer(tmp_path / "run", async_save=False) as ckpt:
+        for step in (270, 280, 290):
+            ckpt.save(step, {"w": torch.full((3,), float(step)), "step": step})
+    assert main(["diff", str(tmp_path / "run"), "--steps", "270", "280"]) == 1
+    out = capsys.readouterr().out
+    assert f"{ckpt.path(270)} (A) and {ckpt.path(280)} (B)" in out
+    assert re.search(r"\nw +values differ +10 ", out), out
+    assert main(["diff", str(tmp_path / "run"), "--steps", "290", "290"]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "run"), str(tmp_path / "run"), "--steps", "1", "2"]) == 2
+    assert "--steps N M compares two steps of root A; B was given too" in capsys.readouterr().err
+    assert main(["diff", str(tmp_path / "run")]) == 2
+    assert "diff needs two checkpoints" in capsys.readouterr().err
+
+
+def test_convert_checks_the_destination_before_it_warns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    model = torch.nn.Linear(3, 2)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(1, 3)).sum().backward()
+    optim.step()
+    unickpt.save(tmp_path / "c", {"model": model, "optim": optim, "step": 1})
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"earlier")
+    argv = ["convert", str(tmp_path / "c"), str(tmp_path / "hf"), "--to", "safetensors"]
+    with caplog.at_level("WARNING"):
+        assert main(argv) == 2
+    assert "already holds a safetensors export" in capsys.readouterr().err
+    assert not caplog.records  # refused before any warning about what it would write
+    with caplog.at_level("WARNING"):
+        assert main([*argv, "--overwrite"]) == 0
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "2 top-level keys (model, optim)" in warned and "pass --only model" in warned
+    assert "step: not a tensor" in warned
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert main([*argv, "--overwrite", "--only", "model"]) == 0
+    assert not caplog.records

@@ -5,6 +5,7 @@ interpreter's start or exit changes, runs the module in a process forked with to
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,59 @@ def test_version_imports_no_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [f"unickpt {unickpt.__version__}", "light"]
+
+
+def _imported(importtime: str) -> set[str]:
+    """The modules a ``python -X importtime`` run imported, from its stderr."""
+    return {
+        line.rsplit("|", 1)[1].strip()
+        for line in importtime.splitlines()
+        if line.startswith("import time:") and line.count("|") == 2
+    }
+
+
+def test_inspect_verify_and_diff_import_no_torch(tmp_path: Path) -> None:
+    """The real command line in fresh interpreters, side by side: inspect, verify and diff of
+    unickpt checkpoints (per-rank RNG tensors, tied weights, compressed chunks) import no torch
+    and give the answers of the library."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 64))
+    state = {"model": model, "head": model[0].weight, "rng": unickpt.RNGState(), "step": 3}
+    unickpt.save(tmp_path / "a", state)
+    with torch.no_grad():
+        model[1].weight[5, 7] += 0.5
+    unickpt.save(tmp_path / "b", {**state, "step": 4}, compress=True)
+    commands = {
+        "inspect": ["inspect", str(tmp_path / "a")],
+        "verify": ["verify", str(tmp_path / "b")],
+        "diff": ["diff", str(tmp_path / "a"), str(tmp_path / "b")],
+    }
+    started = {
+        name: subprocess.Popen(
+            [sys.executable, "-X", "importtime", "-m", "unickpt.cli.main", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, argv in commands.items()
+    }
+    done = {name: (p.communicate(timeout=300), p.returncode) for name, p in started.items()}
+    for name, ((_, err), _) in done.items():
+        imported = _imported(err)
+        assert "unickpt.cli" in imported and "numpy" in imported, name
+        assert not {m for m in imported if m == "torch" or m.startswith("torch.")}, name
+    (out, _), code = done["inspect"]
+    assert code == 0 and "model.1.weight" in out and "rng.generators" in out, out
+    assert "dict (per rank)" in out
+    (out, _), code = done["verify"]
+    assert code == 0 and out.startswith("OK: "), out
+    (out, _), code = done["diff"]
+    assert code == 1, out
+    assert re.search(r"model\.1\.weight +values differ +0\.5 +\S+ +1\n", out), out
+    assert re.search(r"step +differs +3 +4", out), out
+    assert "model.0.weight" not in out and "head" not in out, out
 
 
 def test_help_lists_every_command_as_their_modules_say(capsys: pytest.CaptureFixture[str]) -> None:

@@ -41,6 +41,8 @@ def test_tables_and_verdicts(tmp_path: Path) -> None:
     result = _result(tmp_path)
     phases = format_phases(result.phases)
     assert "rank 1 SIGKILLed during the save of step 2" in phases
+    header = phases.splitlines()[0].split()
+    assert header == ["phase", "steps", "resumed", "from", "load", "time", "event"]
     assert "200.0 ms" in phases  # the load time
     saves = format_saves(result.phases[1:])
     assert "committed, not timed (crash)" in saves and "10.0 ms" in saves  # step 2 was loaded

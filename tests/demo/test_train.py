@@ -1,12 +1,17 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from unickpt.demo.config import DemoConfig
+from unickpt.demo.config import DemoConfig, Phase
 from unickpt.demo.corpus import encode, generate_text, global_batch, rank_micro_batches
 from unickpt.demo.digest import state_digest
+from unickpt.demo.events import StepDone
 from unickpt.demo.model import GPTConfig
-from unickpt.demo.train import build_model, build_optimizer, learning_rate, train_step
+from unickpt.demo.train import build_model, build_optimizer, learning_rate, run_phase, train_step
+
+from ..distributed import run_ranks
 
 CONFIG = DemoConfig(
     steps=20,
@@ -64,3 +69,42 @@ def test_digest_follows_every_bit_of_the_state() -> None:
     exp_avg = optimizer.state[next(model.parameters())]["exp_avg"].view(-1)
     exp_avg[0] = torch.nextafter(exp_avg[0], exp_avg[0] + 1)  # one bit
     assert state_digest(model, optimizer) != after_step
+
+
+def _dropout_phases(rank: int, world: int, out: str) -> dict[str, dict[int, float]]:
+    """The demo's loop with dropout, on this rank: an uninterrupted run, a run saving to step 4,
+    and a run of new model, optimizer and state objects resumed from its checkpoint."""
+    config = DemoConfig(
+        out_dir=out,
+        steps=8,
+        save_every=2,
+        batch_size=8,
+        corpus_chars=20_000,
+        model=GPTConfig(
+            vocab_size=32, context_len=16, n_layers=1, n_heads=2, d_model=32, dropout=0.2
+        ),
+    )
+    phases = [
+        Phase("reference", "reference", world, 8, False, False),
+        Phase("train", "train", world, 4, True, False),
+        Phase("resume", "resume", world, 8, True, True),
+    ]
+    losses: dict[str, dict[int, float]] = {p.name: {} for p in phases}
+
+    def sink(event: object) -> None:
+        if isinstance(event, StepDone):
+            losses[event.phase][event.step] = event.loss
+
+    for phase in phases:
+        run_phase(config, phase, sink)
+    return losses
+
+
+def test_dropout_model_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """The state's RNGState gives a resumed run the generators of its checkpoint's step: with
+    dropout, every loss after the resume equals the uninterrupted run's, bit for bit."""
+    for losses in run_ranks(2, _dropout_phases, str(tmp_path / "out")):
+        reference, resumed = losses["reference"], losses["resume"]
+        assert sorted(resumed) == [5, 6, 7, 8]
+        assert [losses["train"][s] for s in range(1, 5)] == [reference[s] for s in range(1, 5)]
+        assert [resumed[s] for s in range(5, 9)] == [reference[s] for s in range(5, 9)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,69 @@ def test_sharded_model_loads_into_one_rank_with_key_mapping(tmp_path: Path) -> N
     assert report.unverified_files and all(
         f.endswith(".safetensors") for f in report.unverified_files
     )
+
+
+def logits_of(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.arange(12).reshape(2, 6) % model.config.vocab_size
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+def test_tied_head_loads_with_the_embedding_it_shares(tmp_path: Path) -> None:
+    """GPT-2's head shares the embedding's memory and save_pretrained stores it once: the
+    head is loaded with the embedding, strict, with no warning under strict=False."""
+    model = tiny_gpt2(4)
+    model.save_pretrained(tmp_path / "hf")
+    for strict in (True, False):
+        fresh = tiny_gpt2(5)
+        assert fresh.lm_head.weight is fresh.transformer.wte.weight
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            report = unickpt.load(
+                tmp_path / "hf", {"model": fresh}, keys=lambda k: "model." + k, strict=strict
+            )
+        assert report.skipped_keys == () and report.unread_keys == ()
+        assert_bitwise(logits_of(fresh), logits_of(model), "logits")
+    # any checkpoint: a unickpt one that holds the embedding only
+    emb = torch.randn(6, 4)
+    unickpt.save(tmp_path / "u", {"m": {"emb": emb}})
+    shared = torch.zeros(6, 4)
+    state = {"m": {"emb": shared, "head": shared}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        unickpt.load(tmp_path / "u", state, strict=False)
+        unickpt.load(tmp_path / "u", state)
+    assert_bitwise(state["m"]["head"], emb, "head")
+    # a view inside a loaded tensor (rows of it, a transpose) is loaded with it
+    state = {"m": {"emb": shared, "rows": shared[2:4], "t": shared.t()}}
+    shared.zero_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = unickpt.load(tmp_path / "u", state)
+    assert report.skipped_keys == ()
+    assert_bitwise(state["m"]["rows"], emb[2:4].clone(), "rows")
+    with pytest.raises(CheckpointMismatchError, match=r"lacks: 'm\.own'"):
+        unickpt.load(tmp_path / "u", {"m": {"emb": shared, "own": torch.zeros(2)}})
+
+
+@pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama], ids=["gpt2-tied", "llama"])
+def test_saved_names_are_those_from_pretrained_reads(tmp_path: Path, make) -> None:
+    """keys= renames the state's keys in a save: from_pretrained reads the folder with every
+    weight found (logits bitwise equal), and a load takes the inverse map."""
+    model = make(6)
+    out = tmp_path / "out"
+    unickpt.save(
+        out, {"model": model}, format="safetensors", keys=lambda k: k.removeprefix("model.")
+    )
+    model.config.save_pretrained(out)
+    loaded, info = type(model).from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info  # nothing missing, unexpected or mismatched
+    assert_bitwise(logits_of(loaded), logits_of(model), "logits")
+    fresh = make(7)
+    unickpt.load(out, {"model": fresh}, keys=lambda k: "model." + k)
+    assert_bitwise(logits_of(fresh), logits_of(model), "logits")
+    with pytest.raises(CheckpointError, match="the same saved key 'w'"):
+        unickpt.save(tmp_path / "x", {"model": model}, format="safetensors", keys=lambda k: "w")
 
 
 def test_single_file_loads_by_its_path_and_by_its_folder(tmp_path: Path) -> None:

@@ -22,6 +22,10 @@ different values (with the largest absolute difference |a - b| and relative diff
 global tensors are compared. Values that differ show where: the first character that
 differs, in a window of both texts (...abc[X]def...), and a unified diff of multi-line texts.
 
+examples:
+  unickpt diff runs/gpt/step-270 runs/gpt/step-280
+  unickpt diff runs/gpt --steps 270 280
+
 exit status: 0 identical, 1 different, 2 error"""
 
 
@@ -34,8 +38,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("a", metavar="A", help="first checkpoint: " + PATH_HELP)
-    parser.add_argument("b", metavar="B", help="second checkpoint, the same way")
+    parser.add_argument(
+        "b", metavar="B", nargs="?", help="second checkpoint, the same way (or --steps)"
+    )
     add_step_option(parser, "A or B")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        nargs=2,
+        metavar=("N", "M"),
+        help="compare steps N and M of the Checkpointer root A (no B)",
+    )
     parser.add_argument(
         "--atol",
         type=float,
@@ -66,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         with progress_bar("comparing", wants_progress(args.progress)) as progress:
-            a, b = (_open(p, args.step) for p in (args.a, args.b))
+            a, b = _sources(args)
             report = diff_checkpoints(
                 a, b, atol=args.atol, rtol=args.rtol, verify=args.verify, progress=progress
             )
@@ -77,6 +90,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(report))
     return 0 if report.identical else 1
+
+
+def _sources(args: argparse.Namespace) -> tuple[Storage, Storage]:
+    """The two checkpoints the arguments name: A and B, or steps N and M of root A."""
+    from ..errors import CheckpointError
+
+    if args.steps is None and args.b is None:
+        raise CheckpointError("diff needs two checkpoints: A B, or a root A with --steps N M.")
+    if args.steps is not None:
+        if args.b is not None or args.step is not None:
+            given = "B" if args.b is not None else "--step"
+            raise CheckpointError(
+                f"--steps N M compares two steps of root A; {given} was given too. Pass A B "
+                "(with --step) or A --steps N M."
+            )
+        n, m = args.steps
+        return open_source(args.a, n), open_source(args.a, m)
+    return _open(args.a, args.step), _open(args.b, args.step)
 
 
 def _open(path: str, step: int | None) -> Storage:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import TYPE_CHECKING
 
 from .errors import print_error
@@ -22,6 +23,12 @@ wrote it and when. Reads the metadata only; use `unickpt verify` to check the da
 Values equal under keys that differ only in their middle (the learning rate of every
 parameter's group: optimizer.param_groups.*.lr) are shown once with their count; --expand
 lists every key. --keys and --only select what is shown (and what --json prints).
+
+A Hugging Face safetensors folder or a torch.distributed.checkpoint folder (which
+unickpt.load reads as they are) is shown as unickpt reads it.
+
+exit status: 0 shown, 1 a --keys pattern matches no key, 2 no checkpoint (or no such --only
+name) or other error
 
 examples:
   unickpt inspect runs/gpt --only model
@@ -61,31 +68,51 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import CheckpointError
-    from ..tools.inspection import inspect_checkpoint, select_entries
+    from ..tools.inspection import inspect_checkpoint, select_entries, unmatched_patterns
 
     try:
-        summary = inspect_checkpoint(open_source(args.path, args.step))
-        summary = select_entries(summary, args.keys, args.only)
+        summary = inspect_checkpoint(open_source(args.path, args.step), foreign=True)
+        selected = select_entries(summary, args.keys, args.only)
     except CheckpointError as e:
         return print_error(e)
+    unmatched = unmatched_patterns(summary, args.keys)
+    if unmatched:
+        shown = ", ".join(repr(p) for p in unmatched)
+        print(
+            f"error: --keys {shown} matches no key of {summary.path} (* also matches dots: "
+            f"'*.lr'); see its keys with `unickpt inspect {args.path}`.",
+            file=sys.stderr,
+        )
+        return 1
+    summary = selected
     print(json.dumps(summary.to_dict(), indent=2) if args.json else render(summary, args.expand))
     return 0
 
 
 def render(s: CheckpointSummary, expand: bool = False) -> str:
-    from ..tools.inspection import group_objects
+    from ..tools.inspection import foreign_format, group_objects
     from ..tools.table import format_table
     from ..tools.units import format_bytes
 
     producer = ", ".join(f"{k} {v}" for k, v in sorted(s.producer.items())) or "unknown"
     files = f"{len(s.files)} file{'s' if len(s.files) != 1 else ''}"
-    head = format_table(
-        ["checkpoint", s.path],
-        [
+    foreign = foreign_format(s)
+    if foreign is None:
+        about = [
             ["saved", f"{s.created_iso} by world size {s.world_size}"],
             ["producer", producer],
             ["format", f"version {s.format_version}, save {s.save_id}"],
             ["checksums", f"{s.checksum_algorithm} per {format_bytes(s.segment_bytes)}"],
+        ]
+    else:
+        about = [
+            ["format", f"{_FOREIGN.get(foreign, foreign)}, as unickpt.load reads it"],
+            ["checksums", "none (its files are read unverified)"],
+        ]
+    head = format_table(
+        ["checkpoint", s.path],
+        [
+            *about,
             ["data", f"{files}, {format_bytes(s.data_bytes)}"],
             *([["refers to", ", ".join(s.references)]] if s.references else []),
         ],
@@ -126,6 +153,9 @@ def render(s: CheckpointSummary, expand: bool = False) -> str:
         objects if s.objects else "(none)",
     ]
     return "\n\n".join([parts[0], "\n".join(parts[1:3]), "\n".join(parts[3:5])])
+
+
+_FOREIGN = {"safetensors": "Hugging Face safetensors", "dcp": "torch.distributed.checkpoint"}
 
 
 def _distinct(groups: list[ObjectGroup] | None, count: int) -> str:

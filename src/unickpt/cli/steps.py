@@ -33,9 +33,9 @@ def open_source(path: str, step: int | None) -> Storage:
     """The checkpoint ``path`` names (a checkpoint, or a root's newest or ``step``-th step).
     A folder that holds none but whose ``unickpt/`` subfolder does (a Hugging Face Trainer
     ``checkpoint-N``) raises an error that names the subfolder."""
-    from ..checkpointer import open_checkpoint
     from ..errors import CheckpointError, CheckpointNotFoundError
     from ..format.metadata import COMMIT_FILE
+    from ..root.names import open_checkpoint
 
     chosen = open_checkpoint(path, step)
     try:

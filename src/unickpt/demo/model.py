@@ -1,7 +1,9 @@
 """A small GPT in the style of nanoGPT: causal self-attention, an MLP, pre-LayerNorm.
 
-There is no dropout, so a step is a pure function of the weights, the optimizer state and the
-batch: nothing random needs to be checkpointed.
+The demo runs it without dropout, so a step is a pure function of the weights, the optimizer
+state and the batch, on any world size. With ``dropout > 0`` a step also draws from the ranks'
+generators: the training state then holds a :class:`unickpt.RNGState`, and a run resumed on the
+world size that saved it draws the masks the uninterrupted run drew.
 
 Example::
 
@@ -32,6 +34,7 @@ class GPTConfig:
     n_layers: int = 4
     n_heads: int = 4
     d_model: int = 256
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -62,9 +65,10 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(config.d_model, 4 * config.d_model)
         self.proj = nn.Linear(4 * config.d_model, config.d_model)
+        self.drop = nn.Dropout(config.dropout) if config.dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        return self.drop(self.proj(F.gelu(self.fc(x))))
 
 
 class Block(nn.Module):

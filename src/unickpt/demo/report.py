@@ -42,7 +42,7 @@ def _phase_json(record: PhaseRecord) -> dict[str, Any]:
 
 
 def format_phases(phases: list[PhaseRecord]) -> str:
-    rows = [("phase", "steps", "resumed from", "load", "time", "")]
+    rows = [("phase", "steps", "resumed from", "load", "time", "event")]
     for p in phases:
         steps = f"{min(p.losses)}-{max(p.losses)}" if p.losses else "-"
         resumed = "-" if p.load_s is None else str(p.resumed_from or "nothing")

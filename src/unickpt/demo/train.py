@@ -6,8 +6,9 @@ FSDP2 averages the gradients over the ranks, and on one process the loss is scal
 ``1 / micro_batches`` instead, so both compute the mean gradient of the same batch. The logged
 loss is the global-batch mean, summed over the ranks.
 
-The state saved and loaded is ``{"model", "optimizer", "train": {"step"}}``; the step is all
-a resumed run needs to draw the same next batch and learning rate.
+The state saved and loaded is ``{"model", "optimizer", "train": {"step"}, "rng"}``: the step
+is all a resumed run needs to draw the same next batch and learning rate, and ``rng`` (a
+:class:`unickpt.RNGState`) the same dropout masks when the model has dropout.
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ def run_phase(config: DemoConfig, phase: Phase, sink: EventSink) -> None:
     torch.set_num_threads(1)
     model = build_model(config, phase.world_size)
     optimizer = build_optimizer(model, config)
-    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "train": {"step": 0}}
+    state: dict[str, Any] = {
+        "model": model,
+        "optimizer": optimizer,
+        "train": {"step": 0},
+        "rng": unickpt.RNGState(),
+    }
     num_parameters = count_parameters(model)
     sink(
         PhaseStarted(

@@ -31,16 +31,22 @@ class SaveFuture:
         self.error_reported = False
 
     def done(self) -> bool:
+        """Whether the save ended (committed or failed)."""
         return self._done.is_set()
 
     def snapshot_done(self) -> bool:
+        """Whether the state has been copied (tensors may change from then on)."""
         return self._snapshot.is_set()
 
     def wait_snapshot(self, timeout_s: float | None = None) -> None:
+        """Wait until the state has been copied; TimeoutError after ``timeout_s``."""
         if not self._snapshot.wait(timeout_s):
             raise TimeoutError(f"the snapshot did not finish within {timeout_s} s")
 
     def wait(self, timeout_s: float | None = None) -> Any:
+        """Wait until the checkpoint is committed and return the save's report (a
+        ``SaveReport``); re-raise the background work's failure; TimeoutError after
+        ``timeout_s``."""
         if not self._done.wait(timeout_s):
             raise TimeoutError(f"the save did not finish within {timeout_s} s")
         if self._error is not None:
@@ -53,26 +59,31 @@ class SaveFuture:
         self._done.wait()
 
     def exception(self) -> BaseException | None:
+        """The failure of an ended save, or None."""
         return self._error if self._done.is_set() else None
 
     def set_snapshot_done(self) -> None:
+        """Mark the snapshot done (called by the save)."""
         if not self._snapshot.is_set():
             self.snapshot_s = time.perf_counter() - self.started_s
             self._snapshot.set()
 
     def set_result(self, result: Any) -> None:
+        """End the save with ``result`` (called by the save)."""
         self._result = result
         self.durable_s = time.perf_counter() - self.started_s
         self.set_snapshot_done()
         self._done.set()
 
     def set_exception(self, error: BaseException) -> None:
+        """End the save with ``error`` (called by the save)."""
         self._error = error
         self.set_snapshot_done()
         self._done.set()
 
     @staticmethod
     def completed(result: Any) -> SaveFuture:
+        """A future of a save that already ended with ``result`` (a synchronous save's)."""
         fut = SaveFuture()
         fut.set_result(result)
         return fut

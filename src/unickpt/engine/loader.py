@@ -27,11 +27,11 @@ from ..planning.load_keys import (
     SavedKeys,
     match_keys,
     not_loaded_warning,
-    rename_for_load,
     unread_message,
 )
 from ..planning.load_plan import ChunkIndex, ReadItem, plan_reads
 from ..planning.per_rank import missing_warning, needs_reshard, reshard
+from ..planning.save_keys import StateKeys, rename_to_saved
 from ..storage.base import Storage
 from .commit import read_metadata
 from .exchange import ExchangeStats, rank_needs, run_exchange
@@ -84,13 +84,14 @@ def load(
     strict: bool,
     allow_pickle: bool,
     config: Config,
-    keys: KeyMap | None = None,
+    keys: KeyMap | StateKeys | None = None,
     read_meta: Callable[[Storage], Metadata] | None = None,
 ) -> LoadReport:
     """Match this rank's state (per rank), find saved keys no rank asks for (across ranks),
     then read and place. Each step raises the same error on every rank when any rank fails.
 
-    ``keys`` renames saved keys to the state's (see :func:`rename_for_load`); ``read_meta``
+    ``keys`` renames saved keys to the state's (see :func:`rename_for_load`; a
+    :class:`StateKeys` renames the state's keys to the saved ones instead); ``read_meta``
     reads the metadata (default: a unickpt checkpoint's; a foreign format's translation comes
     with every chunk, checked, and no indexes)."""
 
@@ -104,7 +105,7 @@ def load(
             )
         flat = flatten_state(state, for_load=True)
         if keys is not None:
-            flat = rename_for_load(flat, meta.keys(), keys)
+            flat = rename_to_saved(flat, meta.keys(), keys)
         found = match_keys(meta, flat, strict)
         _check_per_rank(meta, flat, comm)
         chunks = None if foreign_format(meta) else SavedChunks(storage, meta)

@@ -33,14 +33,12 @@ import numpy as np
 import torch
 
 from ..config import Config
-from ..errors import CheckpointCorruptError
 from ..format.dtypes import buffer_of, byte_view, itemsize
-from ..format.metadata import ChunkMeta
-from ..layouts.boxes import Box, contiguous_runs, row_major_strides
+from ..layouts.boxes import contiguous_runs, row_major_strides, split_box
 from ..planning.exchange_plan import flat_span
 from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
-from .checksum import digest
+from .checksum import ChunkRef, check_buffer
 from .compress import read_packed
 from .file_maps import FileMaps
 from .memcpy import copy_tensor, copy_threads
@@ -172,41 +170,6 @@ def _split(item: ReadItem, max_bytes: int) -> list[ReadItem]:
     ]
 
 
-def split_box(box: Box, max_numel: int) -> list[Box]:
-    """Cut ``box`` into row-major consecutive sub-boxes of at most ``max_numel`` elements."""
-    if box.numel <= max_numel or box.ndim == 0:
-        return [box]
-    d = next(i for i, n in enumerate(box.lengths) if n > 1)
-    inner = math.prod(box.lengths[d + 1 :])
-    if inner > max_numel:
-        out = []
-        for i in range(box.lengths[d]):
-            offsets = list(box.offsets)
-            lengths = list(box.lengths)
-            offsets[d] += i
-            lengths[d] = 1
-            out.extend(split_box(Box(tuple(offsets), tuple(lengths)), max_numel))
-        return out
-    step = max(1, max_numel // inner)
-    out = []
-    for start in range(0, box.lengths[d], step):
-        offsets = list(box.offsets)
-        lengths = list(box.lengths)
-        offsets[d] += start
-        lengths[d] = min(step, box.lengths[d] - start)
-        out.append(Box(tuple(offsets), tuple(lengths)))
-    return out
-
-
-@dataclass(frozen=True)
-class ChunkRef:
-    """A saved chunk and where it lies, as error messages name it."""
-
-    key: str
-    file: str
-    chunk: ChunkMeta
-
-
 def read_chunk_bytes(
     storage: Storage, ref: ChunkRef, start: int, out: torch.Tensor, verify: bool, segment: int
 ) -> None:
@@ -247,24 +210,6 @@ def check_segments(ref: ChunkRef, start: int, data: torch.Tensor, seg: int) -> N
     """Raise CheckpointCorruptError unless every checksum segment of ``data`` (bytes ``[start,
     start + len(data))`` of the chunk, ``start`` segment-aligned) matches the index."""
     check_buffer(ref, start, buffer_of(data), seg)
-
-
-def check_buffer(ref: ChunkRef, start: int, mv: memoryview, seg: int) -> None:
-    """:func:`check_segments` of bytes already viewed as a memoryview."""
-    sums = ref.chunk.checksums
-    for pos in range(0, len(mv), seg):
-        index = (start + pos) // seg
-        found = digest(mv[pos : pos + seg])
-        expected = sums[index] if index < len(sums) else None
-        if found != expected:
-            lo = ref.chunk.byte_offset + start + pos
-            hi = lo + min(seg, len(mv) - pos)
-            raise CheckpointCorruptError(
-                f"checksum mismatch in {ref.file} bytes [{lo}, {hi}) holding tensor "
-                f"'{ref.key}' (chunk at offsets {list(ref.chunk.offsets)}): expected "
-                f"{expected}, found {found}. The file is damaged; load an earlier checkpoint "
-                "or pass verify=False to load it anyway."
-            )
 
 
 def region_read(item: ReadItem, verify: bool, segment: int) -> tuple[str, int, int]:

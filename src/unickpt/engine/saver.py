@@ -50,7 +50,9 @@ from ..format.references import FileLocation
 from ..format.values import encode_value, needs_pickle
 from ..layouts.boxes import Box
 from ..planning.flatten import Flattened, flatten_state
+from ..planning.load_keys import KeyMap
 from ..planning.packed import PackedPlan
+from ..planning.save_keys import rename_for_save
 from ..planning.save_plan import GlobalPlan, LocalPlan, TensorDecl, WriteItem, build_global_plan
 from ..storage.base import Storage
 from .bounded import Stager
@@ -93,10 +95,15 @@ class PreparedSave:
     """Store chunks compressed (:mod:`unickpt.engine.compress`; format version 3)."""
     plan_s: float = 0.0
     """Seconds :func:`prepare` took (flattening, encoding, agreeing on the plan)."""
+    state_keys: dict[str, str] = field(default_factory=dict)
+    """The state's key of each saved key that ``keys=`` renamed."""
 
     @property
     def nbytes(self) -> int:
         return sum(i.nbytes for i in self.items)
+
+    def state_key(self, key: str) -> str:
+        return self.state_keys.get(key, key)
 
 
 def local_plan(flat: Flattened) -> LocalPlan:
@@ -117,6 +124,7 @@ def prepare(
     overwrite: bool,
     quantize: Mapping[str, int] | None = None,
     lock: bool = True,
+    keys: KeyMap | None = None,
     failed: BaseException | None = None,
 ) -> PreparedSave:
     """Flatten, encode values, agree on the plan (cached while the structure is unchanged).
@@ -124,17 +132,21 @@ def prepare(
     ``quantize`` (table key -> bits) stores those tables quantized per row (see
     :mod:`unickpt.encoding.rowwise`). ``lock=False``: the caller holds a lock that covers
     ``storage`` (a Checkpointer holds its root's), so the save takes none of its own.
+    ``keys`` renames the state's keys to the saved ones (:func:`rename_for_save`).
     ``failed``: what failed on this rank before the save (a zero-stall save's capture), raised
     in the planning step, so that every rank raises it instead of waiting for this one.
     """
     t0 = time.perf_counter()
     held: list[Callable[[], None]] = []
     encoded: dict[str, EncodedTable] = {}
+    state_keys: dict[str, str] = {}
 
     def describe() -> tuple[Any, Any]:
         if failed is not None:
             raise failed
-        flat = flatten_state(state)
+        renamed = rename_for_save(flatten_state(state), keys)
+        flat = renamed.flat
+        state_keys.update(renamed.state_keys)
         if quantize:
             encoded.update(encode_leaves(flat, quantize))
         plan = local_plan(flat)
@@ -186,6 +198,7 @@ def prepare(
         encoded=encoded,
         encoding_errors=written_errors(items, encoded),
         plan_s=time.perf_counter() - t0,
+        state_keys=state_keys,
     )
 
 

@@ -35,7 +35,8 @@ from ..errors import CheckpointError, CheckpointMismatchError
 from ..format.dtypes import dtype_name
 from ..format.metadata import ChunkMeta, Metadata, TensorMeta
 from ..planning.flatten import flatten_state
-from ..planning.load_keys import KeyMap, rename_for_load
+from ..planning.load_keys import KeyMap
+from ..planning.save_keys import StateKeys, rename_to_saved
 from ..storage.base import HeldLock, Storage, WriteHandle
 from .common import foreign_format
 from .fp8_blocks import (
@@ -77,7 +78,7 @@ class DequantizingStorage(Storage):
         inner: Storage,
         dequantize: bool | tuple[int, int],
         state: dict[str, Any],
-        keys: KeyMap | None,
+        keys: KeyMap | StateKeys | None,
         strict: bool,
     ) -> None:
         self.inner = inner
@@ -149,7 +150,7 @@ class DequantizingStorage(Storage):
         """The dtype the state holds at each of ``pairs`` it holds (as the load renames)."""
         flat = flatten_state(self._state, for_load=True)
         if self._keys is not None:
-            flat = rename_for_load(flat, meta.keys(), self._keys)
+            flat = rename_to_saved(flat, meta.keys(), self._keys)
         found = {}
         for key in pairs:
             leaf = flat.tensors.get(flat.aliases.get(key, key))

@@ -31,6 +31,8 @@ from ..errors import CheckpointError, CheckpointExistsError
 from ..format.dtypes import byte_view, dtype_from_name, itemsize
 from ..layouts.boxes import Box
 from ..planning.flatten import Flattened, flatten_state
+from ..planning.load_keys import KeyMap
+from ..planning.save_keys import rename_for_save
 from ..planning.save_plan import GlobalPlan, build_global_plan
 from ..storage.base import Storage
 from ..storage.registry import is_local, local_path
@@ -76,10 +78,12 @@ def save_safetensors(
     max_shard_size: int | str,
     overwrite: bool,
     config: Config,
+    keys: KeyMap | None = None,
 ) -> SaveReport:
     """Write ``state``'s tensors as a Hugging Face safetensors model in folder ``path``.
 
-    All ranks call it together; each writes the bytes the save planner gives it.
+    All ranks call it together; each writes the bytes the save planner gives it. ``keys``
+    renames the state's keys to the tensor names written (see :func:`unickpt.save`).
 
     >>> unickpt.save("out/hf", {"model": model}, format="safetensors")  # doctest: +SKIP
     """
@@ -98,7 +102,7 @@ def save_safetensors(
     t0 = time.perf_counter()
 
     def describe() -> tuple[Flattened, Any]:
-        flat = flatten_state(state)
+        flat = rename_for_save(flatten_state(state), keys).flat
         _check_tensors_only(flat)
         return flat, (local_plan(flat).packed(), uuid.uuid4().hex[:12])
 

@@ -23,7 +23,7 @@ from .chunk_map import (
     decode_chunk_map,
     encode_chunk_map,
 )
-from .dtypes import check_dtype_name, dtype_from_name, itemsize
+from .dtypes import check_dtype_name, itemsize_of
 from .limits import (
     CHUNK_MAP_ROW_INDEX_BYTES,
     MAX_CHUNK_MAP_BYTES,
@@ -145,7 +145,7 @@ def _world_size(value: Any) -> int:
 def _check_stored_bytes(key: str, t: TensorMeta, source: str) -> None:
     """A stored tensor of at most ``MAX_TENSOR_BYTES``; its chunks, each within the bytes of
     its data file (:func:`assemble`), must then tile it before a reader sizes a buffer by it."""
-    size = math.prod(t.shape) * itemsize(dtype_from_name(t.dtype))
+    size = math.prod(t.shape) * itemsize_of(t.dtype)
     if size > MAX_TENSOR_BYTES:
         raise CheckpointCorruptError(
             f"{source}: '{key}' has shape {list(t.shape)} of {t.dtype}, {size} bytes, more than "
@@ -499,7 +499,7 @@ def _file_number(
 def assemble(meta: Metadata, indexes: Sequence[list[tuple[str, ChunkMeta]]]) -> Metadata:
     """The metadata with every tensor's chunks, from the global file and the file indexes."""
     chunks: dict[str, list[ChunkMeta]] = {k: [] for k in meta.tensors}
-    sizes = {k: itemsize(dtype_from_name(t.dtype)) for k, t in meta.tensors.items()}
+    sizes = {k: itemsize_of(t.dtype) for k, t in meta.tensors.items()}
     for entries in indexes:
         for key, chunk in entries:
             target = chunks.get(key)

@@ -18,10 +18,10 @@ import base64
 import binascii
 import math
 import pickle
+import sys
 import warnings
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from ..errors import CheckpointCorruptError, UnsafeObjectError
 from .dtypes import dtype_from_name, dtype_name, tensor_bytes
@@ -43,7 +43,8 @@ def encode_value(value: Any, key: str, allow_pickle: bool) -> Any:
         return {tag: [encode_value(v, f"{key}[{i}]", allow_pickle) for i, v in enumerate(value)]}
     if type(value) is dict and all(isinstance(k, str) for k in value):
         return {"$dict": {k: encode_value(v, f"{key}.{k}", allow_pickle) for k, v in value.items()}}
-    if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
+    torch = sys.modules.get("torch")  # a tensor's module is imported (none is, in the tools)
+    if torch is not None and type(value) is torch.Tensor:
         t = value.detach().cpu().contiguous()
         if t.nbytes > LARGE_VALUE_TENSOR_BYTES:
             warnings.warn(
@@ -84,8 +85,22 @@ def needs_pickle(encoded: Any) -> bool:
     return False
 
 
-def decode_value(encoded: Any, key: str, allow_pickle: bool) -> Any:
-    """Inverse of :func:`encode_value`; pickle only when ``allow_pickle``."""
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor inside a value as stored (dtype name, shape, raw bytes): what the tools show
+    and compare without importing torch."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    def __repr__(self) -> str:
+        return f"tensor {self.dtype} {list(self.shape)} {self.data.hex()}"
+
+
+def decode_value(encoded: Any, key: str, allow_pickle: bool, stored: bool = False) -> Any:
+    """Inverse of :func:`encode_value`; pickle only when ``allow_pickle``. With ``stored``,
+    tensors inside the value come back as :class:`StoredTensor` (torch is not imported)."""
     if encoded is None or isinstance(encoded, (bool, int, float, str)):
         return encoded
     if not isinstance(encoded, dict) or len(encoded) != 1:
@@ -95,7 +110,7 @@ def decode_value(encoded: Any, key: str, allow_pickle: bool) -> Any:
         )
     ((tag, payload),) = encoded.items()
     try:
-        return _DECODERS[tag](payload, key, allow_pickle)
+        return (_STORED if stored else _DECODERS)[tag](payload, key, allow_pickle)
     except KeyError:
         raise CheckpointCorruptError(
             f"value of '{key}' has unknown tag {tag!r}; expected one of {sorted(_DECODERS)}. "
@@ -114,7 +129,14 @@ def _decode_pickle(payload: str, key: str, allow_pickle: bool) -> Any:
     return pickle.loads(base64.b64decode(payload))
 
 
-def _decode_tensor(payload: dict[str, Any], key: str, allow_pickle: bool) -> torch.Tensor:
+def _stored_tensor(payload: dict[str, Any], key: str, allow_pickle: bool) -> StoredTensor:
+    shape = tuple(int(s) for s in payload["shape"])
+    return StoredTensor(str(payload["dtype"]), shape, base64.b64decode(payload["data"]))
+
+
+def _decode_tensor(payload: dict[str, Any], key: str, allow_pickle: bool) -> Any:
+    import torch
+
     dtype = dtype_from_name(payload["dtype"])
     shape = tuple(int(s) for s in payload["shape"])
     raw = bytearray(base64.b64decode(payload["data"]))
@@ -130,4 +152,14 @@ _DECODERS: dict[str, Any] = {
     "$dict": lambda p, k, a: {str(n): decode_value(v, f"{k}.{n}", a) for n, v in p.items()},
     "$tensor": _decode_tensor,
     "$pickle": _decode_pickle,
+}
+
+
+# The same, tensors inside a value decoded as StoredTensor.
+_STORED: dict[str, Any] = {
+    **_DECODERS,
+    "$list": lambda p, k, a: [decode_value(v, f"{k}[{i}]", a, True) for i, v in enumerate(p)],
+    "$tuple": lambda p, k, a: tuple(decode_value(v, f"{k}[{i}]", a, True) for i, v in enumerate(p)),
+    "$dict": lambda p, k, a: {str(n): decode_value(v, f"{k}.{n}", a, True) for n, v in p.items()},
+    "$tensor": _stored_tensor,
 }

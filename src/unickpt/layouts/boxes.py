@@ -143,3 +143,29 @@ def contiguous_runs(outer: Box, inner: Box) -> tuple[np.ndarray, int]:
         steps = np.arange(inner.lengths[d], dtype=np.int64) * strides[d]
         starts = (starts[:, None] + steps[None, :]).reshape(-1)
     return starts, run
+
+
+def split_box(box: Box, max_numel: int) -> list[Box]:
+    """Cut ``box`` into row-major consecutive sub-boxes of at most ``max_numel`` elements."""
+    if box.numel <= max_numel or box.ndim == 0:
+        return [box]
+    d = next(i for i, n in enumerate(box.lengths) if n > 1)
+    inner = math.prod(box.lengths[d + 1 :])
+    if inner > max_numel:
+        out = []
+        for i in range(box.lengths[d]):
+            offsets = list(box.offsets)
+            lengths = list(box.lengths)
+            offsets[d] += i
+            lengths[d] = 1
+            out.extend(split_box(Box(tuple(offsets), tuple(lengths)), max_numel))
+        return out
+    step = max(1, max_numel // inner)
+    out = []
+    for start in range(0, box.lengths[d], step):
+        offsets = list(box.offsets)
+        lengths = list(box.lengths)
+        offsets[d] += start
+        lengths[d] = min(step, box.lengths[d] - start)
+        out.append(Box(tuple(offsets), tuple(lengths)))
+    return out

@@ -217,6 +217,16 @@ def tensor_identity(value: Any) -> tuple[Any, ...] | None:
     return (*how, *layout)
 
 
+def memory_span(t: torch.Tensor) -> tuple[str, int, int] | None:
+    """Where ``t``'s elements lie: its device and the byte range from its first to past its last
+    element (None for a tensor without memory: empty, meta)."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return None
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    start = t.data_ptr()
+    return str(t.device), start, start + (last + 1) * t.element_size()
+
+
 def _local(value: Any) -> torch.Tensor:
     """The tensor this rank holds of a tensor-like leaf."""
     if isinstance(value, (ShardedTensor, FlatShard)):

@@ -9,6 +9,7 @@ bitmap over the sorted saved keys, and the bitmaps are combined with one ``all_r
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -19,7 +20,7 @@ import numpy as np
 from ..errors import CheckpointMismatchError
 from ..format.dtypes import dtype_from_name, dtype_name, itemsize
 from ..format.metadata import Metadata
-from .flatten import Flattened
+from .flatten import Flattened, memory_span
 
 KeyMap = Mapping[str, str] | Callable[[str], str | None]
 """How a load renames saved keys to the state's: a dict (saved keys it lacks keep their name)
@@ -51,7 +52,9 @@ class KeyMatch:
     differ, with what differs (``kind``, ``shape`` or ``dtype``) and how; both keep their current
     values.
     ``resolved``: each tensor key of the state to the stored key it reads (itself, or the key it
-    is tied to in the checkpoint).
+    is tied to in the checkpoint). A further key of a tensor the state holds twice (tied
+    weights: ``lm_head.weight`` sharing ``wte.weight``'s memory) is loaded with the tensor and
+    is never missing, whether or not the checkpoint stores it (``save_pretrained`` omits it).
     """
 
     missing: tuple[str, ...]
@@ -105,10 +108,48 @@ def match_keys(meta: Metadata, flat: Flattened, strict: bool) -> KeyMatch:
             differ[key] = Difference(
                 "kind", f"'{key}' is a PerRank value in the state but {_in(meta, key)}"
             )
-    missing = sorted(k for k in flat.keys() - saved if k not in resolved)
+    loaded = {k for k in resolved if k not in differ}
+    within = within_loaded(flat, loaded)
+    missing = sorted(
+        k
+        for k in flat.keys() - saved
+        if k not in resolved and flat.aliases.get(k) not in loaded and k not in within
+    )
     if strict and (missing or differ):
         raise CheckpointMismatchError(_mismatch_message(missing, differ, flat.numbered))
     return KeyMatch(tuple(missing), differ, resolved)
+
+
+def within_loaded(flat: Flattened, loaded: set[str]) -> set[str]:
+    """Tensor keys of the state whose memory lies wholly inside that of a tensor the load
+    fills (a view of a loaded tensor: the load fills it too). Only contiguous loaded tensors
+    count: their memory is all theirs, every byte of their span written."""
+    candidates = [k for k, leaf in flat.tensors.items() if k not in loaded and leaf.pieces]
+    if not candidates:  # the usual load: nothing to look for
+        return set()
+    spans: list[tuple[str, int, int]] = []
+    for key in loaded:
+        for _, t in flat.tensors[key].pieces:
+            span = memory_span(t) if t.is_contiguous() else None
+            if span is not None:
+                spans.append(span)
+    if not spans:
+        return set()
+    spans.sort()
+    return {
+        k
+        for k in candidates
+        if all(_inside(memory_span(t), spans) for _, t in flat.tensors[k].pieces)
+    }
+
+
+def _inside(span: tuple[str, int, int] | None, spans: list[tuple[str, int, int]]) -> bool:
+    """Whether ``span`` lies within one of ``spans`` (sorted by device, then start)."""
+    if span is None:
+        return False
+    device, start, end = span
+    i = bisect.bisect_right(spans, (device, start, math.inf))
+    return any(d == device and s <= start and end <= e for d, s, e in spans[:i])
 
 
 def rename_for_load(flat: Flattened, saved: Iterable[str], keys: KeyMap) -> Flattened:

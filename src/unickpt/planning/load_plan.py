@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..errors import CheckpointCorruptError
 from ..format.metadata import ChunkMeta, TensorMeta
@@ -21,6 +21,9 @@ from ..layouts.arrays import distinct
 from ..layouts.boxes import Box
 from ..layouts.coverage import TilingFault, tiling_fault
 from .patterns import pattern_of
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

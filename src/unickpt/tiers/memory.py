@@ -78,6 +78,8 @@ class MemoryTier:
 
     @property
     def folder(self) -> Path:
+        """Where the node's memory checkpoints live: ``dir``, else ``UNICKPT_MEMORY_DIR``, else
+        a folder in ``/dev/shm``."""
         return Path(self.dir or os.environ.get("UNICKPT_MEMORY_DIR") or DEFAULT_DIR)
 
 

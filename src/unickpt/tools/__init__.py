@@ -9,20 +9,55 @@ Each runs in one process, without a process group, and reads a checkpoint tensor
 True
 """
 
-from .convert import FORMATS, ConvertOptions, export_checkpoint, import_checkpoint
-from .diff import DiffReport, TensorDiff, ValueDiff, diff_checkpoints
-from .from_dcp import import_dcp
-from .from_deepspeed import import_deepspeed
-from .from_megatron import import_megatron
-from .from_safetensors import import_safetensors
-from .from_torch import import_torch
-from .inspection import CheckpointSummary, ObjectInfo, TensorInfo, inspect_checkpoint
-from .reports import ConvertReport
-from .to_dcp import export_dcp
-from .to_safetensors import export_safetensors
-from .to_torch import export_torch
-from .units import format_bytes, parse_size
-from .verify import Damage, VerifyReport, verify_checkpoint
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Each name's module, imported on first use: ``unickpt inspect`` and ``verify`` import no torch
+# (the conversions import what their formats need).
+_LAZY = {
+    "FORMATS": ".convert",
+    "ConvertOptions": ".convert",
+    "export_checkpoint": ".convert",
+    "import_checkpoint": ".convert",
+    "DiffReport": ".diff",
+    "TensorDiff": ".diff",
+    "ValueDiff": ".diff",
+    "diff_checkpoints": ".diff",
+    "import_dcp": ".from_dcp",
+    "import_deepspeed": ".from_deepspeed",
+    "import_megatron": ".from_megatron",
+    "import_safetensors": ".from_safetensors",
+    "import_torch": ".from_torch",
+    "CheckpointSummary": ".inspection",
+    "ObjectInfo": ".inspection",
+    "TensorInfo": ".inspection",
+    "inspect_checkpoint": ".inspection",
+    "ConvertReport": ".reports",
+    "export_dcp": ".to_dcp",
+    "export_safetensors": ".to_safetensors",
+    "export_torch": ".to_torch",
+    "format_bytes": ".units",
+    "parse_size": ".units",
+    "Damage": ".verify",
+    "VerifyReport": ".verify",
+    "verify_checkpoint": ".verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = [
     "FORMATS",

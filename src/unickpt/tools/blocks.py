@@ -7,13 +7,15 @@ exactly as a contiguous copy would; memory stays at one block however large the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import torch
+from ..format.dtypes import byte_view, itemsize_of
+from ..layouts.boxes import Box, split_box
 
-from ..engine.read import split_box
-from ..engine.reader import CheckpointReader
-from ..format.dtypes import byte_view, dtype_from_name, itemsize
-from ..layouts.boxes import Box
+if TYPE_CHECKING:
+    import torch
+
+    from ..engine.reader import CheckpointReader
 
 MiB = 1 << 20
 DEFAULT_BLOCK_BYTES = 64 * MiB
@@ -37,7 +39,7 @@ def stream_tensor(
     """Pass the bytes of tensor ``key`` to ``write`` block by block (row-major, each read and
     checksum-verified), holding one block at a time; ``advance`` gets each block's size."""
     meta = reader.metadata.tensors[key]
-    size = itemsize(dtype_from_name(meta.value_dtype))
+    size = itemsize_of(meta.value_dtype)
     done = 0
     for box in block_boxes(meta.value_shape, size, block_bytes):
         block = reader.read_tensor(key, box=box)
@@ -57,4 +59,4 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
 
 def tensor_nbytes(reader: CheckpointReader, key: str) -> int:
     meta = reader.metadata.tensors[key]
-    return Box.whole(meta.value_shape).numel * itemsize(dtype_from_name(meta.value_dtype))
+    return Box.whole(meta.value_shape).numel * itemsize_of(meta.value_dtype)

@@ -1,7 +1,8 @@
 """Compare two checkpoints tensor by tensor (in row blocks) and value by value.
 
 Tensors of equal shape are compared block by block: bitwise first, and where bits differ,
-numerically in float64 (complex128 for complex dtypes). The relative difference of two
+numerically in float64 (complex128 for complex dtypes), in NumPy: a diff imports no torch
+(except to decode quantized tables). The relative difference of two
 elements is ``|a - b| / max(|a|, |b|)``; NaN equals NaN; an element that is NaN on one side
 only differs by infinity. Values are compared in their stored (JSON) encoding, which is exact.
 """
@@ -16,16 +17,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
+import numpy as np
 
-from ..engine.reader import CheckpointReader
 from ..errors import UnsafeObjectError
-from ..format.dtypes import byte_view, dtype_from_name
+from ..format.dtypes import itemsize_of
 from ..format.values import decode_value
 from ..storage.base import Storage
 from .blocks import block_boxes
 from .inspection import short_repr
+from .numeric import widen
 from .progress import ProgressFn
+from .raw_reader import RawReader
 
 MiB = 1 << 20
 DEFAULT_BLOCK_BYTES = 32 * MiB
@@ -108,7 +110,7 @@ def diff_checkpoints(
     >>> [(d.key, d.max_abs) for d in report.tensors]  # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    with CheckpointReader(a, verify=verify) as ra, CheckpointReader(b, verify=verify) as rb:
+    with RawReader(a, verify=verify) as ra, RawReader(b, verify=verify) as rb:
         comparer = _TensorComparer(ra, rb, atol, rtol, block_bytes, progress)
         tensors = comparer.compare_all()
         values, nvalues = _compare_values(ra, rb)
@@ -127,8 +129,8 @@ def diff_checkpoints(
 class _TensorComparer:
     def __init__(
         self,
-        ra: CheckpointReader,
-        rb: CheckpointReader,
+        ra: RawReader,
+        rb: RawReader,
         atol: float,
         rtol: float,
         block_bytes: int,
@@ -162,7 +164,7 @@ class _TensorComparer:
 
     def _nbytes(self, key: str) -> int:
         t = self.ra.metadata.tensors[key]
-        return math.prod(t.value_shape) * dtype_from_name(t.value_dtype).itemsize
+        return math.prod(t.value_shape) * itemsize_of(t.value_dtype)
 
     def _one_sided(self, key: str, kind: TensorDiffKind) -> TensorDiff:
         ma, mb = self.ra.metadata.tensors.get(key), self.rb.metadata.tensors.get(key)
@@ -181,14 +183,13 @@ class _TensorComparer:
         shapes = (tuple(ma.value_shape), tuple(mb.value_shape))
         if shapes[0] != shapes[1]:
             return TensorDiff(key, "shape", ma.value_dtype, mb.value_dtype, *shapes)
-        stats = _Stats()
-        da, db = dtype_from_name(ma.value_dtype), dtype_from_name(mb.value_dtype)
-        size = max(da.itemsize, db.itemsize, 8)
+        stats = _Stats(ma.value_dtype, mb.value_dtype)
+        size = max(itemsize_of(ma.value_dtype), itemsize_of(mb.value_dtype), 8)
         for box in block_boxes(ma.value_shape, size, self.block_bytes):
-            xa = self.ra.read_tensor(key, box=box)
-            xb = self.rb.read_tensor(key, box=box)
+            xa = self.ra.read_box(key, box)
+            xb = self.rb.read_box(key, box)
             stats.add(xa, xb, self.atol, self.rtol)
-            self.done += xa.numel() * xa.element_size()
+            self.done += xa.nbytes
             del xa, xb  # before the next blocks are read
             if self.progress is not None:
                 self.progress(self.done, self.total)
@@ -208,67 +209,46 @@ class _TensorComparer:
 
 
 class _Stats:
-    """Running maxima of the differences of one tensor over its blocks."""
+    """Running maxima of the differences of one tensor over its blocks (raw bytes of dtypes
+    ``dtype_a`` and ``dtype_b``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype_a: str, dtype_b: str) -> None:
+        self.dtype_a, self.dtype_b = dtype_a, dtype_b
         self.max_abs = 0.0
         self.max_rel = 0.0
         self.differing = 0
         self.beyond_tolerance = False
 
-    def add(self, a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> None:
-        if a.dtype == b.dtype and torch.equal(byte_view(a), byte_view(b)):
+    def add(self, a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> None:
+        same_dtype = self.dtype_a == self.dtype_b
+        if same_dtype and np.array_equal(a, b):
             return
-        self.differing += _differing(a, b)
-        diff, scale = _abs_diff(a, b)
-        if diff is None:
+        count = math.prod(a.shape[:-1])
+        self.differing += int((a != b).any(axis=-1).sum()) if same_dtype else count
+        x, y = widen(a, self.dtype_a), widen(b, self.dtype_b)
+        if x is None or y is None:
             self.beyond_tolerance = True
             self.max_abs = self.max_rel = math.nan
             return
-        rel = torch.where(diff == 0, torch.zeros_like(diff), diff / scale)
-        rel = torch.nan_to_num(rel, nan=math.inf)
-        self.max_abs = max(self.max_abs, float(diff.max()))
-        self.max_rel = max(self.max_rel, float(rel.max()))
-        exact = atol == 0 and rtol == 0
-        if exact or bool((diff > atol + rtol * _magnitude(b).reshape(-1)).any()):
-            self.beyond_tolerance = True
+        with np.errstate(all="ignore"):
+            diff, scale = _abs_diff(x.reshape(-1), y.reshape(-1))
+            rel = np.nan_to_num(np.where(diff == 0, 0.0, diff / scale), nan=math.inf)
+            self.max_abs = max(self.max_abs, float(diff.max()))
+            self.max_rel = max(self.max_rel, float(rel.max()))
+            exact = atol == 0 and rtol == 0
+            if exact or bool((diff > atol + rtol * np.abs(y.reshape(-1))).any()):
+                self.beyond_tolerance = True
 
 
-def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
-    if a.dtype != b.dtype:
-        return int(a.numel())
-    size = a.element_size()
-    ba = byte_view(a).view(-1, size)
-    bb = byte_view(b).view(-1, size)
-    return int((ba != bb).any(dim=1).sum())
+def _abs_diff(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Element-wise ``|x - y|`` (0 where equal, NaN on both sides included; inf where one side
+    is NaN) and ``max(|x|, |y|)``."""
+    same = (x == y) | (np.isnan(x) & np.isnan(y))
+    diff = np.nan_to_num(np.where(same, 0.0, np.abs(x - y)), nan=math.inf)
+    return diff, np.maximum(np.abs(x), np.abs(y))
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor | None:
-    """``t`` as float64 (complex128 for complex dtypes), or None when torch cannot convert it."""
-    try:
-        return t.to(torch.complex128 if t.is_complex() else torch.float64)
-    except (RuntimeError, TypeError):
-        return None
-
-
-def _magnitude(t: torch.Tensor) -> torch.Tensor:
-    wide = _wide(t)
-    return wide.abs() if wide is not None else torch.zeros(t.shape, dtype=torch.float64)
-
-
-def _abs_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Element-wise ``|a - b|`` (0 where equal, NaN on both sides included; inf where one side
-    is NaN) and ``max(|a|, |b|)``."""
-    x, y = _wide(a), _wide(b)
-    if x is None or y is None:
-        return None, torch.empty(0)
-    same = (x == y) | (torch.isnan(x) & torch.isnan(y))
-    diff = torch.where(same, torch.zeros((), dtype=torch.float64), (x - y).abs())
-    diff = torch.nan_to_num(diff, nan=math.inf)
-    return diff.reshape(-1), torch.maximum(x.abs(), y.abs()).reshape(-1)
-
-
-def _compare_values(ra: CheckpointReader, rb: CheckpointReader) -> tuple[list[ValueDiff], int]:
+def _compare_values(ra: RawReader, rb: RawReader) -> tuple[list[ValueDiff], int]:
     ea, eb = _encoded_values(ra), _encoded_values(rb)
     ta, tb = ra.metadata.tensors, rb.metadata.tensors
     out = []
@@ -286,12 +266,12 @@ def _compare_values(ra: CheckpointReader, rb: CheckpointReader) -> tuple[list[Va
     return out, compared
 
 
-def _encoded_values(reader: CheckpointReader) -> dict[str, Any]:
+def _encoded_values(reader: RawReader) -> dict[str, Any]:
     meta = reader.metadata
     return {**meta.objects, **{k: list(v) for k, v in meta.per_rank.items()}}
 
 
-def _text(reader: CheckpointReader, key: str) -> str | None:
+def _text(reader: RawReader, key: str) -> str | None:
     """The full text of a value (a string as it is, anything else as its repr); None when it
     was saved with pickle or no rank saved it."""
     meta = reader.metadata
@@ -303,7 +283,7 @@ def _text(reader: CheckpointReader, key: str) -> str | None:
             return None
         encoded = first[1]
     try:
-        value = decode_value(encoded, key, allow_pickle=False)
+        value = decode_value(encoded, key, allow_pickle=False, stored=True)
     except UnsafeObjectError:
         return None
     return value if isinstance(value, str) else repr(value)
@@ -350,7 +330,7 @@ def _escape(text: str) -> str:
     return text.encode("unicode_escape").decode("ascii") if not text.isprintable() else text
 
 
-def _show(reader: CheckpointReader, key: str) -> str:
+def _show(reader: RawReader, key: str) -> str:
     meta = reader.metadata
     rank = None
     if key in meta.objects:
@@ -361,7 +341,7 @@ def _show(reader: CheckpointReader, key: str) -> str:
             return "<no rank's value>"
         rank, encoded = first
     try:
-        text = short_repr(decode_value(encoded, key, allow_pickle=False))
+        text = short_repr(decode_value(encoded, key, allow_pickle=False, stored=True))
     except UnsafeObjectError:
         return "<saved with pickle>"
     return f"{text} (rank {rank})" if rank is not None else text

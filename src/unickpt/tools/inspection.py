@@ -10,17 +10,19 @@ from datetime import datetime, timezone
 from fnmatch import fnmatchcase
 from typing import Any
 
-import torch
-
 from ..engine.commit import read_checkpoint
-from ..errors import CheckpointMismatchError, UnsafeObjectError
-from ..format.dtypes import dtype_from_name
+from ..errors import CheckpointMismatchError, CheckpointNotFoundError, UnsafeObjectError
+from ..format.dtypes import itemsize_of
 from ..format.metadata import Metadata
-from ..format.values import decode_value
+from ..format.values import StoredTensor, decode_value
 from ..layouts.boxes import Box
 from ..storage.base import Storage
 from ..storage.registry import open_storage
 from .datafiles import expected_file_sizes
+
+# The producer entry of metadata translated from another format (foreign.common.FORMAT_KEY,
+# whose module imports torch).
+FOREIGN_FORMAT_KEY = "foreign_format"
 
 _REPR = reprlib.Repr()
 _REPR.maxstring = 40
@@ -108,18 +110,29 @@ class CheckpointSummary:
         return doc
 
 
-def inspect_checkpoint(path: str | os.PathLike[str] | Storage) -> CheckpointSummary:
-    """Describe the committed checkpoint at ``path`` (reads the metadata, not the data).
+def inspect_checkpoint(
+    path: str | os.PathLike[str] | Storage, *, foreign: bool = False
+) -> CheckpointSummary:
+    """Describe the committed checkpoint at ``path`` (reads the metadata, not the data). With
+    ``foreign``, a folder holding a safetensors model or a DCP folder instead is described as
+    :func:`unickpt.load` reads it (its producer names the format).
 
     >>> s = inspect_checkpoint("ckpt/step-100")  # doctest: +SKIP
     >>> s.world_size, len(s.tensors), s.tensor_bytes  # doctest: +SKIP
     """
     storage = open_storage(path)
-    record, meta = read_checkpoint(storage)
+    try:
+        record, meta = read_checkpoint(storage)
+        save_id = record.save_id
+    except CheckpointNotFoundError:
+        translated = _foreign(storage) if foreign else None
+        if translated is None:
+            raise
+        meta, save_id = translated, ""
     return CheckpointSummary(
         path=storage.location,
         format_version=meta.version,
-        save_id=record.save_id,
+        save_id=save_id,
         world_size=meta.world_size,
         created_unix_s=meta.created_unix_s,
         producer=dict(meta.producer),
@@ -132,13 +145,29 @@ def inspect_checkpoint(path: str | os.PathLike[str] | Storage) -> CheckpointSumm
     )
 
 
+def _foreign(storage: Storage) -> Metadata | None:
+    """A safetensors model's or DCP folder's metadata, as a load translates it (its reader
+    imports torch); None when the folder holds neither."""
+    from ..foreign.detect import read_any
+
+    try:
+        return read_any(storage, None)
+    except CheckpointNotFoundError:
+        return None
+
+
+def foreign_format(summary: CheckpointSummary) -> str | None:
+    """The format a summary was translated from (``safetensors``, ``dcp``), or None."""
+    return summary.producer.get(FOREIGN_FORMAT_KEY)
+
+
 def _files(meta: Metadata) -> tuple[FileInfo, ...]:
     return tuple(FileInfo(n, size) for n, size in zip(meta.files, expected_file_sizes(meta)))
 
 
 def _tensor(key: str, meta: Metadata) -> TensorInfo:
     t = meta.tensors[key]
-    nbytes = Box.whole(t.shape).numel * dtype_from_name(t.dtype).itemsize
+    nbytes = Box.whole(t.shape).numel * itemsize_of(t.dtype)
     info = TensorInfo(key, t.value_dtype, tuple(t.value_shape), t.layout, len(t.chunks), nbytes)
     e = t.encoding
     if e is None:
@@ -162,18 +191,17 @@ def _objects(meta: Metadata) -> tuple[ObjectInfo, ...]:
 
 def _object(key: str, encoded: Any, meta: Metadata, per_rank: bool) -> ObjectInfo:
     try:
-        value = decode_value(encoded, key, allow_pickle=False)
+        value = decode_value(encoded, key, allow_pickle=False, stored=True)
     except UnsafeObjectError:
         return ObjectInfo(key, "pickle", "<saved with pickle>", per_rank, True)
-    return ObjectInfo(
-        key, type(value).__name__, short_repr(value), per_rank, key in meta.pickled_keys
-    )
+    kind = "Tensor" if isinstance(value, StoredTensor) else type(value).__name__
+    return ObjectInfo(key, kind, short_repr(value), per_rank, key in meta.pickled_keys)
 
 
 def short_repr(value: Any, width: int = SUMMARY_CHARS) -> str:
     """A one-line description of a value, at most ``width`` characters."""
-    if isinstance(value, torch.Tensor):
-        text = f"tensor {str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+    if isinstance(value, StoredTensor):
+        text = f"tensor {value.dtype} {list(value.shape)}"
     else:
         text = _REPR.repr(value)
     text = " ".join(text.split())
@@ -207,6 +235,12 @@ def select_entries(
         tensors=tuple(t for t in summary.tensors if keep(t.key)),
         objects=tuple(o for o in summary.objects if keep(o.key)),
     )
+
+
+def unmatched_patterns(summary: CheckpointSummary, patterns: Sequence[str]) -> list[str]:
+    """The patterns of ``patterns`` that match no key of ``summary``."""
+    keys = [t.key for t in summary.tensors] + [o.key for o in summary.objects]
+    return [p for p in patterns if not any(fnmatchcase(k, p) for k in keys)]
 
 
 def _top(key: str) -> str:

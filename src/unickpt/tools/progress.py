@@ -11,8 +11,6 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from tqdm import tqdm
-
 ProgressFn = Callable[[int, int], None]
 
 
@@ -27,6 +25,8 @@ def progress_bar(description: str, enabled: bool) -> Iterator[ProgressFn | None]
     if not enabled:
         yield None
         return
+    from tqdm import tqdm  # only where a bar is drawn: a command piped elsewhere never needs it
+
     bar = tqdm(desc=description, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
 
     def update(done: int, total: int) -> None:

@@ -81,16 +81,25 @@ def export_safetensors(
             f"{k}: not a tensor (safetensors stores tensors only)"
             for k in selection.values.values()
         ]
-        warn_left_out(left_out, "safetensors export")
-        for name, target in tied:
-            log.info("'%s' is tied to '%s': written once, under '%s'", name, target, target)
         writer = _Writer(reader, keys, block_bytes, progress, sum(e.nbytes for e in entries))
+
+        def warn() -> None:  # once the destination is known to take the export
+            warn_left_out(left_out, "safetensors export")
+            _warn_mixed(list(keys.values()), only)
+            for name, target in tied:
+                log.info("'%s' is tied to '%s': written once, under '%s'", name, target, target)
+
         if dst_path.suffix == ".safetensors":
             with atomic_file(dst_path, overwrite) as tmp:
+                warn()
                 writer.write_file(tmp, entries)
             files = [dst_path]
         else:
-            files = _write_folder(writer, dst_path, entries, max_shard_bytes, overwrite)
+            old = [dst_path / SINGLE_FILE, dst_path / INDEX_FILE]
+            old += dst_path.glob("model-*-of-*.safetensors")
+            stale = prepare_folder(dst_path, old, overwrite, "safetensors export")
+            warn()
+            files = _write_folder(writer, dst_path, entries, max_shard_bytes, stale)
     return ConvertReport(
         reader.storage.location,
         str(dst_path),
@@ -121,12 +130,29 @@ def _entries(
     return entries, keys, left_out
 
 
+def _warn_mixed(keys: list[str], only: str | None) -> None:
+    """Warn when the export mixes the tensors of several top-level keys (a model's weights and
+    an optimizer's moments in one model.safetensors, which from_pretrained does not read)."""
+    tops = sorted({k.split(".", 1)[0] for k in keys})
+    if only is not None or len(tops) < 2:
+        return
+    model = "model" if "model" in tops else tops[0]
+    log.warning(
+        "the export holds the tensors of %d top-level keys (%s) in one safetensors model: "
+        "optimizer moments and other state beside the weights, which from_pretrained does not "
+        "expect; pass --only %s (only=%r) to export one of them, its prefix removed",
+        len(tops),
+        ", ".join(tops),
+        model,
+        model,
+    )
+
+
 def _write_folder(
-    writer: _Writer, dst: Path, entries: list[Entry], max_shard_bytes: int, overwrite: bool
+    writer: _Writer, dst: Path, entries: list[Entry], max_shard_bytes: int, stale: list[Path]
 ) -> list[Path]:
-    """One file or shards plus an index in ``dst``; files of an earlier export are replaced."""
-    old = [dst / SINGLE_FILE, dst / INDEX_FILE, *dst.glob("model-*-of-*.safetensors")]
-    stale = prepare_folder(dst, old, overwrite, "safetensors export")
+    """One file or shards plus an index in ``dst`` (made by :func:`prepare_folder`); files of
+    an earlier export (``stale``) are replaced."""
     shards = plan_shards(entries, max_shard_bytes)
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [shard_name(i, n) for i in range(n)]

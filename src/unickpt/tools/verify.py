@@ -22,7 +22,7 @@ from ..engine.commit import read_checkpoint, read_commit
 from ..engine.references import resolving
 from ..errors import CheckpointError, CheckpointNotFoundError, CheckpointVersionError
 from ..format.codec import decode_metadata
-from ..format.dtypes import dtype_from_name
+from ..format.dtypes import itemsize_of
 from ..format.metadata import COMMIT_FILE, ChunkMeta, Metadata
 from ..format.references import parse_reference
 from ..storage.base import Storage
@@ -174,7 +174,7 @@ def _check_layout(meta: Metadata, meta_file: str) -> tuple[Damage, ...]:
     found = []
     for key, t in sorted(meta.tensors.items()):
         try:
-            size = dtype_from_name(t.dtype).itemsize
+            size = itemsize_of(t.dtype)
         except CheckpointError as e:
             found.append(Damage(meta_file, key, None, None, str(e)))
             continue

@@ -124,3 +124,34 @@ def dcp_load(rank: int, world: int, folder: str) -> tuple[bool, int, int]:
         for t in m.values()
     )
     return equal, report.bytes_read, held
+
+
+def load_forged(folders: list[str], out: str) -> None:
+    """Load each forged DCP folder online (``unickpt.load``) and convert it (``import_dcp``),
+    in this process; write, per folder and way, the error raised (type and message) and
+    whether the process's classes and DCP's enum members were left as they were."""
+    import json
+
+    from unickpt.tools import import_dcp
+
+    from ..tools.forged_pickle import process_state
+
+    before = process_state()
+    found: dict[str, Any] = {}
+    for folder in folders:
+        for way in ("load", "convert"):
+            state = {"model": {k: torch.zeros_like(v) for k, v in dcp_full().items()}, "step": 0}
+            error = ""
+            try:
+                if way == "load":
+                    unickpt.load(folder, state)
+                else:
+                    import_dcp(folder, f"{folder}-converted")
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                error = f"{type(e).__name__}: {e}"
+            found[f"{folder.rsplit('/', 1)[-1]} {way}"] = {
+                "error": error,
+                "untouched": process_state() == before,
+            }
+    with open(out, "w") as f:  # not through pathlib: a forgery that passed may have steered it
+        json.dump(found, f)

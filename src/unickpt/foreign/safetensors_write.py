@@ -34,7 +34,9 @@ from ..planning.flatten import Flattened, flatten_state
 from ..planning.save_plan import GlobalPlan, build_global_plan
 from ..storage.base import Storage
 from ..storage.registry import is_local, local_path
-from ..tools.safetensors_format import (
+from ..units import parse_size
+from .common import DTYPE_NAMES
+from .safetensors_format import (
     INDEX_FILE,
     SINGLE_FILE,
     Entry,
@@ -43,8 +45,6 @@ from ..tools.safetensors_format import (
     plan_shards,
     shard_name,
 )
-from ..tools.units import parse_size
-from .common import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,7 @@ Each runs in one process, without a process group, and reads a checkpoint tensor
 True
 """
 
+from ..units import format_bytes, parse_size
 from .convert import FORMATS, ConvertOptions, export_checkpoint, import_checkpoint
 from .diff import DiffReport, TensorDiff, ValueDiff, diff_checkpoints
 from .from_dcp import import_dcp
@@ -21,7 +22,6 @@ from .reports import ConvertReport
 from .to_dcp import export_dcp
 from .to_safetensors import export_safetensors
 from .to_torch import export_torch
-from .units import format_bytes, parse_size
 from .verify import Damage, VerifyReport, verify_checkpoint
 
 __all__ = [

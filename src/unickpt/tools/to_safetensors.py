@@ -14,14 +14,7 @@ import uuid
 from pathlib import Path
 
 from ..engine.reader import CheckpointReader
-from ..format.dtypes import dtype_from_name
-from ..layouts.boxes import Box
-from ..storage.base import Storage
-from .blocks import DEFAULT_BLOCK_BYTES, stream_tensor
-from .output import atomic_file, check_distinct, fsync_file, prepare_folder, remove_files
-from .progress import ProgressFn
-from .reports import ConvertReport
-from .safetensors_format import (
+from ..foreign.safetensors_format import (
     DTYPE_NAMES,
     INDEX_FILE,
     SINGLE_FILE,
@@ -31,6 +24,13 @@ from .safetensors_format import (
     plan_shards,
     shard_name,
 )
+from ..format.dtypes import dtype_from_name
+from ..layouts.boxes import Box
+from ..storage.base import Storage
+from .blocks import DEFAULT_BLOCK_BYTES, stream_tensor
+from .output import atomic_file, check_distinct, fsync_file, prepare_folder, remove_files
+from .progress import ProgressFn
+from .reports import ConvertReport
 from .selection import select_keys
 from .values import warn_left_out
 

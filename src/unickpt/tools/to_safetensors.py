@@ -6,7 +6,6 @@ whatever the size of the checkpoint or of its largest tensor.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -14,6 +13,7 @@ import uuid
 from pathlib import Path
 
 from ..engine.reader import CheckpointReader
+from ..foreign.safetensors_commit import replace_model
 from ..foreign.safetensors_format import (
     DTYPE_NAMES,
     INDEX_FILE,
@@ -124,40 +124,25 @@ def _entries(
 def _write_folder(
     writer: _Writer, dst: Path, entries: list[Entry], max_shard_bytes: int, overwrite: bool
 ) -> list[Path]:
-    """One file or shards plus an index in ``dst``; files of an earlier export are replaced."""
+    """One file or shards plus an index in ``dst``, written under scratch names, then put in
+    place of an earlier export so that a crash leaves one of them whole
+    (:func:`~unickpt.foreign.safetensors_commit.replace_model`)."""
     old = [dst / SINGLE_FILE, dst / INDEX_FILE, *dst.glob("model-*-of-*.safetensors")]
-    stale = prepare_folder(dst, old, overwrite, "safetensors export")
+    prepare_folder(dst, old, overwrite, "safetensors export")
     shards = plan_shards(entries, max_shard_bytes)
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [shard_name(i, n) for i in range(n)]
-    _write_shards(writer, dst, shards, names)
-    written = [dst / name for name in names]
-    if n > 1:
-        written.append(_write_index(dst, shards, names, writer.total))
-    remove_files(p for p in stale if p not in written)
-    return written
-
-
-def _write_shards(writer: _Writer, dst: Path, shards: list[list[Entry]], names: list[str]) -> None:
-    """Write every shard under a scratch name, then give them their names."""
     tag = uuid.uuid4().hex[:8]
-    scratch = [dst / f".{name}.{tag}.tmp" for name in names]
+    scratch = {name: f".{name}.{tag}.tmp" for name in names}
     try:
-        for path, shard in zip(scratch, shards):
-            writer.write_file(path, shard)
-            fsync_file(path)
-        for path, name in zip(scratch, names):
-            os.replace(path, dst / name)
+        for name, shard in zip(names, shards):
+            writer.write_file(dst / scratch[name], shard)
+            fsync_file(dst / scratch[name])
+        weight_map = {e.name: name for name, shard in zip(names, shards) for e in shard}
+        replace_model(dst, scratch, weight_map, writer.total, tag)
     finally:
-        remove_files(scratch)
-
-
-def _write_index(dst: Path, shards: list[list[Entry]], names: list[str], total: int) -> Path:
-    weight_map = {e.name: name for name, shard in zip(names, shards) for e in shard}
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    with atomic_file(dst / INDEX_FILE, overwrite=True) as tmp:
-        tmp.write_text(json.dumps(index, indent=2) + "\n")
-    return dst / INDEX_FILE
+        remove_files(dst / s for s in scratch.values())
+    return [dst / name for name in names] + ([dst / INDEX_FILE] if n > 1 else [])
 
 
 class _Writer:

@@ -23,15 +23,30 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointCorruptError, UnsafeObjectError
+from ..errors import CheckpointCorruptError, CheckpointError, UnsafeObjectError
 from .dtypes import dtype_from_name, dtype_name, tensor_bytes
 
 LARGE_VALUE_TENSOR_BYTES = 1 << 20
 """A tensor inside a value larger than this is stored, with a warning, in the metadata."""
+MAX_DEPTH = 100
+"""How deep lists, tuples and dicts may nest in a state, and in a value (deeper ones are
+refused naming the key, before Python's recursion limit is reached)."""
 
 
-def encode_value(value: Any, key: str, allow_pickle: bool) -> Any:
-    """Encode ``value`` (stored at ``key``) as JSON-able data; refuse unsafe types."""
+def too_deep(key: str) -> CheckpointError:
+    """The error of a state or value nested more than :data:`MAX_DEPTH` deep at ``key``."""
+    return CheckpointError(
+        f"'{key}' nests lists, tuples or dicts more than {MAX_DEPTH} deep; unickpt walks "
+        f"states and stores values up to {MAX_DEPTH} levels. Store it flatter (or as a tensor "
+        "or bytes)."
+    )
+
+
+def encode_value(value: Any, key: str, allow_pickle: bool, depth: int = 0) -> Any:
+    """Encode ``value`` (stored at ``key``, ``depth`` containers down) as JSON-able data;
+    refuse unsafe types and nesting deeper than :data:`MAX_DEPTH`."""
+    if depth > MAX_DEPTH:
+        raise too_deep(key)
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -40,9 +55,15 @@ def encode_value(value: Any, key: str, allow_pickle: bool) -> Any:
         return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
         tag = "$list" if isinstance(value, list) else "$tuple"
-        return {tag: [encode_value(v, f"{key}[{i}]", allow_pickle) for i, v in enumerate(value)]}
+        items = [
+            encode_value(v, f"{key}[{i}]", allow_pickle, depth + 1) for i, v in enumerate(value)
+        ]
+        return {tag: items}
     if type(value) is dict and all(isinstance(k, str) for k in value):
-        return {"$dict": {k: encode_value(v, f"{key}.{k}", allow_pickle) for k, v in value.items()}}
+        found = {
+            k: encode_value(v, f"{key}.{k}", allow_pickle, depth + 1) for k, v in value.items()
+        }
+        return {"$dict": found}
     if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
         t = value.detach().cpu().contiguous()
         if t.nbytes > LARGE_VALUE_TENSOR_BYTES:
@@ -84,8 +105,13 @@ def needs_pickle(encoded: Any) -> bool:
     return False
 
 
-def decode_value(encoded: Any, key: str, allow_pickle: bool) -> Any:
+def decode_value(encoded: Any, key: str, allow_pickle: bool, depth: int = 0) -> Any:
     """Inverse of :func:`encode_value`; pickle only when ``allow_pickle``."""
+    if depth > MAX_DEPTH:
+        raise CheckpointCorruptError(
+            f"value of '{key}' in the metadata nests more than {MAX_DEPTH} deep, which unickpt "
+            "never writes; the metadata is damaged or was not written by unickpt."
+        )
     if encoded is None or isinstance(encoded, (bool, int, float, str)):
         return encoded
     if not isinstance(encoded, dict) or len(encoded) != 1:
@@ -95,7 +121,7 @@ def decode_value(encoded: Any, key: str, allow_pickle: bool) -> Any:
         )
     ((tag, payload),) = encoded.items()
     try:
-        return _DECODERS[tag](payload, key, allow_pickle)
+        return _DECODERS[tag](payload, key, allow_pickle, depth + 1)
     except KeyError:
         raise CheckpointCorruptError(
             f"value of '{key}' has unknown tag {tag!r}; expected one of {sorted(_DECODERS)}. "
@@ -105,7 +131,7 @@ def decode_value(encoded: Any, key: str, allow_pickle: bool) -> Any:
         raise CheckpointCorruptError(f"value of '{key}' cannot be decoded: {e}") from e
 
 
-def _decode_pickle(payload: str, key: str, allow_pickle: bool) -> Any:
+def _decode_pickle(payload: str, key: str, allow_pickle: bool, depth: int) -> Any:
     if not allow_pickle:
         raise UnsafeObjectError(
             f"'{key}' was saved with pickle; loading it could run code from the checkpoint. "
@@ -114,7 +140,9 @@ def _decode_pickle(payload: str, key: str, allow_pickle: bool) -> Any:
     return pickle.loads(base64.b64decode(payload))
 
 
-def _decode_tensor(payload: dict[str, Any], key: str, allow_pickle: bool) -> torch.Tensor:
+def _decode_tensor(
+    payload: dict[str, Any], key: str, allow_pickle: bool, depth: int
+) -> torch.Tensor:
     dtype = dtype_from_name(payload["dtype"])
     shape = tuple(int(s) for s in payload["shape"])
     raw = bytearray(base64.b64decode(payload["data"]))
@@ -123,11 +151,11 @@ def _decode_tensor(payload: dict[str, Any], key: str, allow_pickle: bool) -> tor
 
 
 _DECODERS: dict[str, Any] = {
-    "$float": lambda p, k, a: float(p),
-    "$bytes": lambda p, k, a: base64.b64decode(p),
-    "$list": lambda p, k, a: [decode_value(v, f"{k}[{i}]", a) for i, v in enumerate(p)],
-    "$tuple": lambda p, k, a: tuple(decode_value(v, f"{k}[{i}]", a) for i, v in enumerate(p)),
-    "$dict": lambda p, k, a: {str(n): decode_value(v, f"{k}.{n}", a) for n, v in p.items()},
+    "$float": lambda p, k, a, d: float(p),
+    "$bytes": lambda p, k, a, d: base64.b64decode(p),
+    "$list": lambda p, k, a, d: [decode_value(v, f"{k}[{i}]", a, d) for i, v in enumerate(p)],
+    "$tuple": lambda p, k, a, d: tuple(decode_value(v, f"{k}[{i}]", a, d) for i, v in enumerate(p)),
+    "$dict": lambda p, k, a, d: {str(n): decode_value(v, f"{k}.{n}", a, d) for n, v in p.items()},
     "$tensor": _decode_tensor,
     "$pickle": _decode_pickle,
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import tracemalloc
 import zipfile
 from collections import OrderedDict
 from pathlib import Path, PurePosixPath
@@ -144,3 +145,31 @@ def _escaped(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        PROTO + b"\x8e" + (1 << 40).to_bytes(8, "little") + b"abc" + STOP,  # BINBYTES8 of 1 TiB
+        PROTO + b"\x96" + (1 << 40).to_bytes(8, "little") + STOP,  # BYTEARRAY8 of 1 TiB
+        PROTO + EMPTY_DICT + b"r" + (2**32 - 1).to_bytes(4, "little") + STOP,  # memo slot 4G
+        PROTO + b"\x8b" + (-5).to_bytes(4, "little", signed=True) + STOP,  # negative length
+        PROTO + EMPTY_DICT,  # no STOP
+        PROTO + b"I12\n" + STOP,  # protocol 0 text
+        b"\xff" + STOP,
+        PROTO + STOP,  # empty stack
+    ],
+)
+def test_malformed_pickles_are_damage_and_allocate_nothing(raw: bytes) -> None:
+    """Lengths and indexes the bytes state are checked against the bytes there are."""
+    tracemalloc.start()
+    try:
+        try:
+            found: Any = load_dcp_metadata(raw, "m")
+        except pickle.UnpicklingError as e:
+            found = e
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    assert isinstance(found, (pickle.UnpicklingError, dict)), found

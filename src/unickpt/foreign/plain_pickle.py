@@ -6,8 +6,8 @@ to any object it reaches (setting an attribute of an allowed class sets it for t
 process: a forged DCP ``.metadata`` that sets ``_str`` on ``pathlib.PosixPath`` redirects every
 path), append to or set items of any object, and have an allowed constructor allocate what a
 number in the file says (``bytearray(2**30)`` from 30 bytes). Checking the names a pickle holds
-(``pickle.Unpickler.find_class``) stops none of that. This reader decodes the opcodes with
-:func:`pickletools.genops`, which only reads, and builds:
+(``pickle.Unpickler.find_class``) stops none of that. This reader decodes the binary opcodes
+itself (an argument's length is checked against the bytes left before it is read) and builds:
 
 - plain data from what the file holds, so that nothing outgrows the file: None, bools, ints,
   floats, strings, bytes, bytearrays, tuples, lists, dicts, sets and frozensets;
@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import _compat_pickle
 import dataclasses
-import io
+import functools
 import pickle
 import pickletools
+import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,11 +87,6 @@ class _Named:
 
 
 _CONSTANTS = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}
-_ARGUMENT_IS_VALUE = {
-    *("INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"),
-    *("STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE"),
-    *("BINUNICODE8", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8"),
-}
 _CONTAINERS = (list, dict, set, OrderedDict)
 _NEVER = {
     "INST": "makes an object of a class named by the file (protocol 0)",
@@ -137,35 +133,51 @@ class _Reader:
         self.filled: dict[int, Any] = {}  # id -> record filled here (kept alive)
 
     def load(self) -> Any:
-        op_name, pos = "", 0
+        raw, table, memo, end = self.raw, _table(self), self.memo, len(self.raw)
+        pos, at, name = 0, 0, ""
         try:
-            for op, arg, at in pickletools.genops(io.BytesIO(self.raw)):
-                op_name, pos = op.name, at or 0
-                if op_name == "STOP":
+            while pos < end:
+                at, code = pos, raw[pos]
+                if code == _MEMOIZE:  # the most frequent opcodes, without a call
+                    memo[len(memo)] = self.stack[-1]
+                    pos += 1
+                    continue
+                if code in (_BINGET, _BININT1):
+                    value = raw[pos + 1]
+                    self.stack.append(memo[value] if code == _BINGET else value)
+                    pos += 2
+                    continue
+                if code == _LONG_BINGET:
+                    self.stack.append(memo[_U4.unpack_from(raw, pos + 1)[0]])
+                    pos += 5
+                    continue
+                read, handler, name = table[code] or _unread(code)
+                pos += 1
+                arg = None
+                if read is not None:
+                    arg, pos = read(raw, pos)
+                if handler is None:
                     return self._stop()
-                self._step(op_name, arg)
+                handler(arg)
         except (UnsafeObjectError, pickle.UnpicklingError):
             raise
-        except (IndexError, KeyError, TypeError, ValueError, AttributeError) as e:
-            raise pickle.UnpicklingError(f"{op_name} at byte {pos}: {e}") from e
+        except (IndexError, KeyError, TypeError, ValueError, AttributeError, struct.error) as e:
+            raise pickle.UnpicklingError(f"{name} at byte {at}: {e}") from e
         except (RecursionError, OverflowError, MemoryError) as e:
-            raise pickle.UnpicklingError(f"{op_name} at byte {pos}: {type(e).__name__}") from e
+            raise pickle.UnpicklingError(f"{name} at byte {at}: {type(e).__name__}") from e
         raise pickle.UnpicklingError("the pickle ends without STOP")
 
-    def _step(self, op: str, arg: Any) -> None:
-        if op in _ARGUMENT_IS_VALUE:
-            self.stack.append(arg)
-        elif op in _CONSTANTS:
-            self.stack.append(_CONSTANTS[op])
-        elif op in ("PROTO", "FRAME"):
-            pass
-        elif op in _NEVER:
-            self._refuse(f"{op} ({_NEVER[op]})")
-        else:
-            handler = getattr(self, f"_op_{op.lower()}", None)
-            if handler is None:
-                raise pickle.UnpicklingError(f"opcode {op} is not read")
-            handler(arg)
+    def _push(self, value: Any) -> None:
+        self.stack.append(value)
+
+    def _push_constant(self, value: Any, _: Any) -> None:
+        self.stack.append(value)
+
+    def _ignore(self, _: Any) -> None:
+        pass
+
+    def _never(self, what: str, _: Any) -> None:
+        self._refuse(what)
 
     # -- the stack, marks and memo ------------------------------------------------------
 
@@ -190,18 +202,18 @@ class _Reader:
     def _op_dup(self, _: Any) -> None:
         self.stack.append(self.stack[-1])
 
-    def _op_put(self, index: int) -> None:
+    def _put(self, index: int) -> None:
         self.memo[index] = self.stack[-1]
 
-    _op_binput = _op_long_binput = _op_put
+    _op_binput = _op_long_binput = _put
 
     def _op_memoize(self, _: Any) -> None:
         self.memo[len(self.memo)] = self.stack[-1]
 
-    def _op_get(self, index: int) -> None:
+    def _get(self, index: int) -> None:
         self.stack.append(self.memo[index])
 
-    _op_binget = _op_long_binget = _op_get
+    _op_binget = _op_long_binget = _get
 
     # -- plain data ------------------------------------------------------------------------
 
@@ -358,9 +370,6 @@ class _Reader:
         self.filled[id(record)] = record
         _fill(record, state)
 
-    def _op_persid(self, pid: Any) -> None:
-        self._persistent(pid)
-
     def _op_binpersid(self, _: Any) -> None:
         (pid,) = self._data([self.stack.pop()])
         self._persistent(pid)
@@ -385,9 +394,9 @@ class _Reader:
 
     def _data(self, items: list[Any]) -> list[Any]:
         """``items``, refused where one is a class or function the pickle named (never data)."""
-        for item in items:
-            if isinstance(item, _Named):
-                self._refuse(f"{item.qualname} as a value")
+        if _Named in map(type, items):  # rare: checked at C speed first
+            named = next(i for i in items if isinstance(i, _Named))
+            self._refuse(f"{named.qualname} as a value")
         return items
 
     def _describe(self, target: Any) -> str:
@@ -405,6 +414,128 @@ class _Reader:
         )
 
 
+# -- decoding: each opcode's argument, read from the bytes (never past their end) -------------
+
+Read = Callable[[bytes, int], tuple[Any, int]]
+"""Reads an opcode's argument at a position: the argument and the position after it."""
+
+
+def _fixed(fmt: str) -> Read:
+    size = struct.calcsize(fmt)
+
+    def read(raw: bytes, pos: int) -> tuple[Any, int]:
+        return struct.unpack_from(fmt, raw, pos)[0], pos + size
+
+    return read
+
+
+def _counted(fmt: str, make: Callable[[bytes], Any]) -> Read:
+    """An argument of as many bytes as the length before it says (checked against the end)."""
+    size = struct.calcsize(fmt)
+
+    def read(raw: bytes, pos: int) -> tuple[Any, int]:
+        (n,) = struct.unpack_from(fmt, raw, pos)
+        start = pos + size
+        data = raw[start : start + n]
+        if n < 0 or len(data) != n:
+            raise ValueError(f"{n} bytes announced, {len(data)} left")
+        return make(data), start + n
+
+    return read
+
+
+def _lines(count: int) -> Read:
+    def read(raw: bytes, pos: int) -> tuple[Any, int]:
+        out = []
+        for _ in range(count):
+            end = raw.index(b"\n", pos)
+            out.append(raw[pos:end].decode("utf-8"))
+            pos = end + 1
+        return " ".join(out), pos
+
+    return read
+
+
+def _long(data: bytes) -> int:
+    return int.from_bytes(data, "little", signed=True)
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", "surrogatepass")
+
+
+def _ascii(data: bytes) -> str:
+    return data.decode("ascii")
+
+
+_ARGUMENTS: dict[str, Read] = {
+    "PROTO": _fixed("<B"),
+    "FRAME": _fixed("<Q"),
+    "BININT": _fixed("<i"),
+    "BININT1": _fixed("<B"),
+    "BININT2": _fixed("<H"),
+    "BINFLOAT": _fixed(">d"),
+    "LONG1": _counted("<B", _long),
+    "LONG4": _counted("<i", _long),
+    "SHORT_BINBYTES": _counted("<B", bytes),
+    "BINBYTES": _counted("<I", bytes),
+    "BINBYTES8": _counted("<Q", bytes),
+    "BYTEARRAY8": _counted("<Q", bytes),
+    "SHORT_BINUNICODE": _counted("<B", _text),
+    "BINUNICODE": _counted("<I", _text),
+    "BINUNICODE8": _counted("<Q", _text),
+    "SHORT_BINSTRING": _counted("<B", _ascii),
+    "BINSTRING": _counted("<i", _ascii),
+    "BINGET": _fixed("<B"),
+    "LONG_BINGET": _fixed("<I"),
+    "BINPUT": _fixed("<B"),
+    "LONG_BINPUT": _fixed("<I"),
+    "GLOBAL": _lines(2),
+    "INST": _lines(2),
+    "EXT1": _fixed("<B"),
+    "EXT2": _fixed("<H"),
+    "EXT4": _fixed("<i"),
+}
+"""The argument of each binary opcode that has one (the text opcodes of protocol 0 are not
+read, but for ``GLOBAL``, which protocol 2 uses too, and ``INST``, to refuse it)."""
+_VALUES = {
+    "BININT", "BININT1", "BININT2", "BINFLOAT", "LONG1", "LONG4", "SHORT_BINBYTES",
+    "BINBYTES", "BINBYTES8", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8",
+    "SHORT_BINSTRING", "BINSTRING",
+}  # fmt: skip
+
+
+def _table(reader: _Reader) -> list[tuple[Read | None, Callable[[Any], None] | None, str] | None]:
+    """Per opcode byte: how its argument is read, what it does (None: ``STOP``), its name."""
+    table: list[tuple[Read | None, Callable[[Any], None] | None, str] | None] = [None] * 256
+    for op in pickletools.opcodes:
+        name = op.name
+        handler: Callable[[Any], None] | None = getattr(reader, f"_op_{name.lower()}", None)
+        if name in _VALUES:
+            handler = reader._push
+        elif name in _CONSTANTS:
+            handler = functools.partial(reader._push_constant, _CONSTANTS[name])
+        elif name in ("PROTO", "FRAME"):
+            handler = reader._ignore
+        elif name in _NEVER:
+            handler = functools.partial(reader._never, f"{name} ({_NEVER[name]})")
+        elif name != "STOP" and handler is None:
+            continue  # a text opcode of protocol 0: not read
+        table[op.code.encode("latin-1")[0]] = (_ARGUMENTS.get(name), handler, name)
+    return table
+
+
+_MEMOIZE, _BINGET, _LONG_BINGET = pickle.MEMOIZE[0], pickle.BINGET[0], pickle.LONG_BINGET[0]
+_BININT1 = pickle.BININT1[0]
+_U4 = struct.Struct("<I")
+
+
+def _unread(code: int) -> tuple[Read, None, str]:
+    raise pickle.UnpicklingError(
+        f"opcode {bytes([code])!r} is not one this reader reads (protocol 0 text, or not pickle)"
+    )
+
+
 def _fill(record: Any, state: Any) -> None:
     """Give a record its state as ``BUILD`` does: to its class's own ``__setstate__``, or as
     ``__dict__`` entries (strings; Megatron adds some to DCP's metadata) and, for a
@@ -418,12 +549,10 @@ def _fill(record: Any, state: Any) -> None:
         except (TypeError, ValueError, RuntimeError) as e:
             raise pickle.UnpicklingError(f"{cls.__qualname__} state {_shown(state)}: {e}") from e
         return
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = _fields(cls)
     own, slots = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
     for part in (own, slots):
-        if part is not None and not (
-            isinstance(part, dict) and all(isinstance(k, str) for k in part)
-        ):
+        if part is not None and not (isinstance(part, dict) and set(map(type, part)) <= {str}):
             raise TypeError(f"{cls.__qualname__} state is not a dict of names")
     if own:
         vars(record).update(own)
@@ -438,6 +567,16 @@ def _fill(record: Any, state: Any) -> None:
             object.__setattr__(record, name, f.default_factory())
         elif f.default is dataclasses.MISSING:
             raise pickle.UnpicklingError(f"{cls.__qualname__} lacks its field {name!r}")
+
+
+_FIELDS: dict[type, dict[str, dataclasses.Field[Any]]] = {}
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field[Any]]:
+    found = _FIELDS.get(cls)
+    if found is None:
+        found = _FIELDS[cls] = {f.name: f for f in dataclasses.fields(cls)}
+    return found
 
 
 def _shown(value: Any) -> str:

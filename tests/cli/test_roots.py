@@ -102,7 +102,7 @@ def test_a_failed_import_leaves_nothing(tmp_path: Path, capsys: pytest.CaptureFi
     os.truncate(biggest, 100)
     target = tmp_path / "new" / "deeper" / "ckpt"
     assert main(["convert", str(tmp_path / "dcp"), str(target), "--from", "dcp"]) == 2
-    assert "could not be read by DCP" in capsys.readouterr().err
+    assert "has 100 bytes but the DCP metadata places" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
 
 

@@ -202,6 +202,42 @@ def _tier_state(step: int) -> dict[str, Any]:
     return {"w": (torch.randn(300, 200) * 0.02 + step).to(torch.bfloat16), "step": step}
 
 
+def test_a_restarted_job_refers_to_compressed_chunks(tmp_path: Path) -> None:
+    """The first save of a restarted incremental Checkpointer refers to the compressed chunks
+    of the newest checkpoint that did not change (their index has only the checksums of the
+    stored bytes: the chunk is compressed again and compared), and so does the save after."""
+    g = torch.Generator().manual_seed(2)
+    state = {
+        "frozen": (torch.randn(512, 512, generator=g) * 0.02).to(torch.bfloat16),
+        "adapter": torch.randn(64, 64, generator=g) * 1e-2,
+    }
+    options: dict[str, Any] = {"incremental": True, "async_save": False, "compress": True}
+    with unickpt.Checkpointer(tmp_path, full_every=10, **options) as ckpt:
+        first = ckpt.save(1, state).wait()
+    written = []
+    with unickpt.Checkpointer(tmp_path, full_every=10, **options) as ckpt:  # the job restarted
+        for step in (2, 3):
+            state["adapter"] += 1
+            report = ckpt.save(step, state).wait()
+            assert report is not None
+            written.append(report.bytes_written)
+        dest = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert ckpt.load_latest(dest) == 3
+    assert all(torch.equal(dest[k], v) for k, v in state.items())
+    assert first is not None
+    for step, nbytes in zip((2, 3), written):
+        meta = _meta(tmp_path / step_name(step))
+        (frozen,) = meta.tensors["frozen"].chunks
+        assert meta.files[frozen.file].startswith(f"../{step_name(1)}/"), step
+        (adapter,) = meta.tensors["adapter"].chunks
+        assert nbytes == _data_size(tmp_path / step_name(step)) == adapter.stored_nbytes, step
+        assert nbytes < first.bytes_written / 10, (step, nbytes, first.bytes_written)
+
+
+def _data_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("data-*.bin"))
+
+
 def test_the_memory_tier_holds_and_persists_compressed_checkpoints(tmp_path: Path) -> None:
     tier = unickpt.MemoryTier(persist_every=2, replicas=1, dir=tmp_path / "shm")
     root = tmp_path / "root"

@@ -1,12 +1,13 @@
 """docs/format.md is enough to read every checkpoint unickpt writes.
 
 The spec's sample reader (its ```python blocks whose first line is ``# spec-sample``) is run
-without unickpt, with json, numpy and xxhash alone (and the standard library's base64, zlib and
-pathlib), on every kind of checkpoint: plain tensors of every dtype, values, tied weights and an
-optimizer in one process; row shards, column blocks, flat ranges, a DTensor, replicas, per-rank
-values and a quantized table from two ranks; an incremental chain with references and row
-deltas; 8- and 4-bit quantized tables of each floating dtype. What it reads must equal, bit for
-bit, what ``unickpt.load`` gives.
+without unickpt, with json, numpy, xxhash and zstandard alone (and the standard library's
+base64, zlib and pathlib), on every kind of checkpoint, plain and compressed: tensors of every
+dtype, values, tied weights and an optimizer in one process; row shards, column blocks, flat
+ranges, a DTensor, replicas, per-rank values and a quantized table from two ranks; incremental
+chains with references and row deltas, one continued by a restarted job; 8- and 4-bit
+quantized tables of each floating dtype. What it reads must equal, bit for bit, what
+``unickpt.load`` gives; a version newer than it knows is refused.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from unickpt.format.dtypes import known_dtype_names
 from unickpt.root.names import open_checkpoint
 
 SPEC = Path(__file__).resolve().parents[2] / "docs" / "format.md"
-ALLOWED_IMPORTS = {"base64", "json", "numpy", "pathlib", "xxhash", "zlib"}
+ALLOWED_IMPORTS = {"base64", "json", "numpy", "pathlib", "xxhash", "zlib", "zstandard"}
 QUANTIZED_DTYPES = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
-SMALL_SEGMENTS = Config(segment_bytes=4096)
+SEGMENT = 4096
+SMALL_SEGMENTS = Config(segment_bytes=SEGMENT)
 
 Reader = dict[str, Any]
 
@@ -149,6 +151,14 @@ def _check_chunk_map(spec: Reader, folder: Path, meta: dict[str, Any], chunks: A
             assert any(_inside(offsets, lengths, (lo, n)) for lo, n, _ in found), (key, offsets)
 
 
+def _compressed(chunks: dict[str, Any]) -> tuple[int, int]:
+    """How many of the spec reader's chunks are compressed, and how many of their segments
+    are stored raw."""
+    packed = [c[6] for cs in chunks.values() for c in cs if c[6] is not None]
+    raw = sum(1 for p in packed for n in p["stored"] if n == SEGMENT)
+    return len(packed), raw
+
+
 def _random(dtype: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """Random bytes viewed as ``dtype`` (every bit pattern: NaNs, infinities, subnormals)."""
     size = getattr(torch, dtype).itemsize
@@ -165,7 +175,10 @@ def test_the_spec_names_every_dtype_unickpt_stores(spec: Reader) -> None:
     assert set(spec["DTYPES"]) == set(known_dtype_names()) - QUANTIZED_DTYPES
 
 
-def test_one_process_every_dtype_values_ties_and_an_optimizer(spec: Reader, tmp_path: Path) -> None:
+@pytest.mark.parametrize("compress", [False, True])
+def test_one_process_every_dtype_values_ties_and_an_optimizer(
+    spec: Reader, tmp_path: Path, compress: bool
+) -> None:
     gen = torch.Generator().manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
     opt = torch.optim.Adam(model.parameters())
@@ -179,6 +192,11 @@ def test_one_process_every_dtype_values_ties_and_an_optimizer(spec: Reader, tmp_
             "empty": torch.empty(0, 4),
             "empty_3d": torch.empty(2, 0, 3, dtype=torch.int16),
             "segments": torch.randn(3, 2000, generator=gen),  # 24000 bytes: 6 segments
+            "compressible": (torch.randn(64, 64, generator=gen) * 0.01).to(torch.bfloat16),
+            "mostly_zero": torch.cat([torch.zeros(3000), torch.randn(3000, generator=gen)]),
+            "half_noise": torch.cat(  # a segment that compresses, one stored raw
+                [torch.zeros(SEGMENT), torch.randint(0, 256, (SEGMENT,), generator=gen)]
+            ).to(torch.uint8),
             "transposed": torch.arange(12.0).reshape(3, 4).t(),
         },
         "emb": {"weight": shared},
@@ -199,8 +217,11 @@ def test_one_process_every_dtype_values_ties_and_an_optimizer(spec: Reader, tmp_
             "empty_list": [],
         },
     }
-    unickpt.save(tmp_path / "c", state, config=SMALL_SEGMENTS)
+    unickpt.save(tmp_path / "c", state, config=SMALL_SEGMENTS, compress=compress)
     meta, chunks = check_checkpoint(spec, tmp_path / "c")
+    assert meta["version"] == (3 if compress else 2)
+    packed, stored_raw = _compressed(chunks)
+    assert (packed > 2 and stored_raw > 0) if compress else packed == 0
     assert meta["aliases"] == {"head.weight": "emb.weight"}
     assert meta["tensors"]["optim.state.0.weight.step"]["shape"] == []
     assert meta["objects"]["optim.param_groups"]["$list"][0]["$dict"]["params"] == {
@@ -247,6 +268,7 @@ def _save_two_ranks(rank: int, world: int, root: str) -> None:
     if rank == 1:
         state["only_rank_1"] = torch.arange(5.0)
     unickpt.save(Path(root) / "mixed", state, quantize={"table": 8})
+    unickpt.save(Path(root) / "compressed", state, quantize={"table": 8}, compress=True)
     # a save in which rank 0 holds no tensor: it writes no file
     alone: dict[str, Any] = {"pos": unickpt.PerRank(rank), "v": [1, 2]}
     if rank == 0:
@@ -261,6 +283,8 @@ def test_two_ranks_every_layout(spec: Reader, tmp_path: Path) -> None:
     meta, chunks = check_checkpoint(spec, tmp_path / "mixed")
     assert meta["world_size"] == 2 and len(meta["files"]) == 2
     assert len(chunks["flat"]) > 2 and meta["tensors"]["table"]["encoding"]["bits"] == 8
+    meta, chunks = check_checkpoint(spec, tmp_path / "compressed")
+    assert meta["world_size"] == 2 and _compressed(chunks)[0] >= 2
     meta, _ = check_checkpoint(spec, tmp_path / "one_file")
     assert [f["data"][-9:] for f in meta["files"]] == ["00001.bin"]
     assert meta["per_rank"]["pos"] == [0, 1] and meta["chunk_map"] is not None
@@ -270,40 +294,47 @@ def test_two_ranks_every_layout(spec: Reader, tmp_path: Path) -> None:
 # -- an incremental chain: references, row deltas, a quantized table by rows ---------------
 
 
-def test_incremental_chain_with_row_deltas(spec: Reader, tmp_path: Path) -> None:
+@pytest.mark.parametrize("compress", [False, True])
+def test_incremental_chain_with_row_deltas(spec: Reader, tmp_path: Path, compress: bool) -> None:
     gen = torch.Generator().manual_seed(3)
     emb = torch.randn(3000, 16, generator=gen)  # 64-byte rows, 47 segments
     q4 = torch.randn(2000, 9, generator=gen)  # stored rows of 13 bytes
     frozen = torch.randn(100, 100, generator=gen)
-    changes = [[], [5, 6, 7, 1500], [6, 10, 2000, 2001, 2002, 2999]]
-    with unickpt.Checkpointer(
-        tmp_path,
-        incremental=True,
-        async_save=False,
-        row_deltas=["tables.*"],
-        full_every=10,
-        config=SMALL_SEGMENTS,
-        quantize={"tables.q4": 4},
-    ) as ckpt:
-        for step, rows in enumerate(changes):
-            emb[rows] += 1.0
-            q4[[r % 2000 for r in rows]] -= 0.5
-            state = {
-                "tables": {"emb": emb, "q4": q4},
-                "frozen": frozen,
-                "lora": torch.randn(4, 4, generator=gen),
-                "step": step,
-            }
-            ckpt.save(step, state)
-    for step in range(3):
-        check_checkpoint(spec, tmp_path / f"step-{step:09d}")
+    changes = [[], [5, 6, 7, 1500], [6, 10, 2000, 2001, 2002, 2999], [1, 2]]
+    options: dict[str, Any] = {
+        "incremental": True,
+        "async_save": False,
+        "row_deltas": ["tables.*"],
+        "full_every": 10,
+        "config": SMALL_SEGMENTS,
+        "quantize": {"tables.q4": 4},
+        "compress": compress,
+    }
+    for steps in (range(3), range(3, 4)):  # then a restarted job's first save
+        with unickpt.Checkpointer(tmp_path, **options) as ckpt:
+            for step in steps:
+                rows = changes[step]
+                emb[rows] += 1.0
+                q4[[r % 2000 for r in rows]] -= 0.5
+                state = {
+                    "tables": {"emb": emb, "q4": q4},
+                    "frozen": frozen,
+                    "lora": torch.randn(4, 4, generator=gen),
+                    "step": step,
+                }
+                ckpt.save(step, state)
+    for step in range(4):
+        _, chunks = check_checkpoint(spec, tmp_path / f"step-{step:09d}")
+        assert (_compressed(chunks)[0] > 0) == compress
+    frozen_chunks = chunks["frozen"]
+    assert [c[2].parent.name for c in frozen_chunks] == ["step-000000000"] * len(frozen_chunks)
     index = json.loads(next((tmp_path / "step-000000002").glob("index-*.json")).read_text())
     assert [r[0] for r in index["runs"]] == ["tables.emb", "tables.q4"]
     assert {f for r in index["runs"] for f in r[5]} == {0, 1, 2}, "own file and two steps"
     assert [c[6] for c in index["chunks"] if c[0] == "frozen"] == [0]
     (tmp_path / "step-000000009").mkdir()  # an interrupted save: no COMMIT
     newest = spec["newest_step"](tmp_path)
-    assert newest == tmp_path / "step-000000002"
+    assert newest == tmp_path / "step-000000003"
     assert open_checkpoint(tmp_path).location.endswith(newest.name)
 
 
@@ -327,3 +358,32 @@ def test_quantized_tables(spec: Reader, tmp_path: Path) -> None:
     meta, _ = check_checkpoint(spec, tmp_path / "q")
     for key, b in bits.items():
         assert meta["tensors"][key]["encoding"]["bits"] == b
+
+
+# -- versions: what the reader does not know, it refuses -------------------------------------
+
+
+@pytest.mark.parametrize("where", ["metadata", "index"])
+def test_a_newer_version_is_refused(spec: Reader, tmp_path: Path, where: str) -> None:
+    unickpt.save(tmp_path / "c", {"w": torch.arange(4.0)}, compress=True)
+    folder = tmp_path / "c"
+    commit = json.loads((folder / "COMMIT").read_text())
+    meta_path = folder / commit["metadata_file"]
+    meta = json.loads(meta_path.read_text())
+    if where == "index":
+        index_path = folder / meta["files"][0]["index"]
+        index = json.loads(index_path.read_text())
+        index["version"] = 4
+        raw = json.dumps(index).encode()
+        index_path.write_bytes(raw)
+        meta["files"][0]["index_nbytes"] = len(raw)
+        meta["files"][0]["index_checksum"] = spec["checksum"](raw)
+    else:
+        meta["version"] = 4
+    raw = json.dumps(meta).encode()
+    meta_path.write_bytes(raw)
+    commit["metadata_nbytes"], commit["metadata_checksum"] = len(raw), spec["checksum"](raw)
+    (folder / "COMMIT").write_text(json.dumps(commit))
+    kind = "unickpt-index" if where == "index" else "unickpt"
+    with pytest.raises(ValueError, match=f"version 4; this reader reads {kind} versions 1 to 3"):
+        spec["open_checkpoint"](folder)

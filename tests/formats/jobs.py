@@ -124,3 +124,90 @@ def dcp_load(rank: int, world: int, folder: str) -> tuple[bool, int, int]:
         for t in m.values()
     )
     return equal, report.bytes_read, held
+
+
+def load_forged(folders: list[str], out: str) -> None:
+    """Load each forged DCP folder online (``unickpt.load``) and convert it (``import_dcp``),
+    in this process; write, per folder and way, the error raised (type and message) and
+    whether the process's classes and DCP's enum members were left as they were."""
+    import json
+
+    from unickpt.tools import import_dcp
+
+    from ..tools.forged_pickle import process_state
+
+    before = process_state()
+    found: dict[str, Any] = {}
+    for folder in folders:
+        for way in ("load", "convert"):
+            state = {"model": {k: torch.zeros_like(v) for k, v in dcp_full().items()}, "step": 0}
+            error = ""
+            try:
+                if way == "load":
+                    unickpt.load(folder, state)
+                else:
+                    import_dcp(folder, f"{folder}-converted")
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                error = f"{type(e).__name__}: {e}"
+            found[f"{folder.rsplit('/', 1)[-1]} {way}"] = {
+                "error": error,
+                "untouched": process_state() == before,
+            }
+    with open(out, "w") as f:  # not through pathlib: a forgery that passed may have steered it
+        json.dump(found, f)
+
+
+SHARD_SIZES = {"one file": "1MB", "two shards": "13KB", "three shards": "9KB"}
+"""``max_shard_size`` of :func:`overwrite_model`'s layouts (six tensors of 4 KiB)."""
+
+
+def overwrite_model(seed: int) -> dict[str, torch.Tensor]:
+    """Six tensors of 4 KiB, every one different for each seed."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.w": torch.randn(32, 32, generator=g) + 100 * seed for i in range(6)}
+
+
+def save_model(folder: str, seed: int, layout: str) -> None:
+    unickpt.save(
+        folder,
+        overwrite_model(seed),
+        format="safetensors",
+        max_shard_size=SHARD_SIZES[layout],
+        overwrite=True,
+    )
+
+
+def overwrite_killed(folder: str, seed: int, layout: str, kill_at: int, steps_file: str) -> None:
+    """Overwrite the model in ``folder`` and die by SIGKILL just before its ``kill_at``-th
+    rename, link or removal in ``folder`` (0: never); write how many there were."""
+    import os
+    import signal
+
+    steps = 0
+
+    def counted(call: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            nonlocal steps
+            if str(args[0]).startswith(folder + "/"):
+                steps += 1
+                if steps == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return call(*args, **kwargs)
+
+        return run
+
+    for name in ("replace", "rename", "link", "unlink", "remove"):
+        setattr(os, name, counted(getattr(os, name)))
+    save_model(folder, seed, layout)
+    with open(steps_file, "w") as f:
+        f.write(str(steps))
+
+
+def overwrite_forever(folder: str, ready: str) -> None:
+    """Overwrite the model in ``folder`` again and again, seeds 1 and 2 in turn, each in
+    another layout; ``ready`` is created once the first overwrite is done."""
+    layouts = list(SHARD_SIZES)
+    for i in range(10**6):
+        save_model(folder, 1 + i % 2, layouts[i % 3])
+        if i == 0:
+            open(ready, "w").close()

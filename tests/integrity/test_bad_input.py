@@ -422,6 +422,57 @@ def test_json_nested_too_deep(tmp_path: Path, where: str) -> None:
     _falls_back_to_step_1(tmp_path / "run", "RecursionError")
 
 
+def _nested(depth: int, leaf: Any = 1) -> Any:
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("way", ["save", "async_save", "zero-stall", "dict with a tensor"])
+def test_a_state_nested_900_deep_is_refused_naming_its_key(tmp_path: Path, way: str) -> None:
+    """A list nested 900 deep (or dicts around a tensor) is refused naming its key, not with a
+    bare RecursionError; one nested 100 deep saves and loads."""
+    state = {**_model_state(), "deep": {"history": _nested(900)}}
+    if way == "dict with a tensor":
+        inner: Any = {"w": torch.ones(2)}
+        for i in range(900):
+            inner = {f"d{i % 10}": inner}
+        state["deep"]["history"] = inner
+    with pytest.raises(unickpt.CheckpointError) as info:
+        if way == "save" or way == "dict with a tensor":
+            unickpt.save(tmp_path / "c", state)
+        else:
+            unickpt.async_save(
+                tmp_path / "c", state, background_snapshot=way == "zero-stall"
+            ).wait()
+    assert "'deep.history" in str(info.value)
+    assert "nests lists, tuples or dicts more than 100 deep" in str(info.value)
+    assert not (tmp_path / "c" / "COMMIT").exists()
+    ok = {**_model_state(), "deep": _nested(100)}
+    unickpt.save(tmp_path / "ok", ok)
+    loaded = {**_blank(), "deep": None}
+    unickpt.load(tmp_path / "ok", loaded)
+    assert loaded["deep"] == _nested(100)
+
+
+def test_a_value_nested_deep_in_the_metadata_is_refused_naming_its_key(saved: Path) -> None:
+    """A crafted metadata value nested 300 deep (JSON parses it; decoding it recursed past
+    Python's limit) is damage naming the key."""
+
+    def deep(doc: dict[str, Any]) -> None:
+        value: Any = 1
+        for _ in range(300):
+            value = {"$list": [value]}
+        doc["objects"]["step"] = value
+
+    _forge_metadata(saved, deep)
+    with pytest.raises(unickpt.CheckpointCorruptError) as info:
+        unickpt.load(saved, _blank())
+    assert "value of 'step[0][0]" in str(info.value)
+    assert "nests more than 100 deep, which unickpt never writes" in str(info.value)
+
+
 def test_chunk_without_checksums(saved: Path) -> None:
     """A chunk whose checksums were emptied (its bytes then changed) would load unverified:
     refused, as is a chunk with more checksums than its segments."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import io
+import pickle
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,9 @@ import torch.distributed.checkpoint as dcp
 
 import unickpt
 from unickpt.cli.main import main
-from unickpt.errors import UnsafeObjectError
+from unickpt.errors import CheckpointCorruptError, UnsafeObjectError
+from unickpt.foreign.dcp_pickles import load_dcp_metadata
 from unickpt.tools import import_dcp
-from unickpt.tools.safe_unpickle import load_restricted
 
 from .forged_pickle import FORGERIES, call_pickle, forge_metadata
 from .helpers import assert_bitwise, assert_same, make_model, zeros_like
@@ -82,6 +83,50 @@ def test_forged_metadata_runs_no_code(
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("outside", ["relative", "absolute"])
+def test_a_data_file_outside_the_folder_is_refused(
+    tmp_path: Path, outside: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Metadata naming its data file by a path out of the folder (``../``, absolute) is refused
+    by the conversion, with and without pickle, as by the online load, before torch's reader
+    opens the file (here a real copy of it, which would read back without error)."""
+    state = {"w": torch.randn(4, 3), "step": 3}
+    src = tmp_path / "dcp"
+    dcp.save(state, checkpoint_id=src, no_dist=True)
+    shutil.copy(src / "__0_0.distcp", tmp_path / "outside.distcp")
+    name = "../outside.distcp" if outside == "relative" else str(tmp_path / "outside.distcp")
+    meta = pickle.loads((src / ".metadata").read_bytes())  # the test's own, trusted file
+    for info in meta.storage_data.values():
+        info.relative_path = name
+    (src / ".metadata").write_bytes(pickle.dumps(meta))
+    says = f"names data file {name!r} for "
+    expected = "a file of the checkpoint's folder (a name, not a path)"
+    for allow in (False, True):
+        with pytest.raises(CheckpointCorruptError) as info:
+            import_dcp(src, tmp_path / f"c{allow}", allow_pickle=allow)
+        assert says in str(info.value) and expected in str(info.value)
+        assert not (tmp_path / f"c{allow}").exists()
+    with pytest.raises(CheckpointCorruptError) as info:
+        unickpt.load(src, {"w": torch.zeros(4, 3), "step": 0})
+    assert says in str(info.value) and expected in str(info.value)
+    assert main(["convert", str(src), str(tmp_path / "c"), "--from", "dcp"]) != 0
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_list_index_past_the_entries_allocates_nothing(tmp_path: Path) -> None:
+    """DCP's planner data places each entry in the state's lists by index: an index beyond
+    the number of entries is refused, not a list of that length allocated."""
+    src = tmp_path / "dcp"
+    dcp.save({"groups": [{"lr": 0.5}], "w": torch.ones(2)}, checkpoint_id=src, no_dist=True)
+    meta = pickle.loads((src / ".metadata").read_bytes())  # the test's own, trusted file
+    meta.planner_data["groups.0.lr"] = ("groups", 10**9, "lr")
+    (src / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(CheckpointCorruptError, match="at list index 1000000000, but the"):
+        import_dcp(src, tmp_path / "c")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_real_metadata_reads_with_only_dcp_classes(tmp_path: Path) -> None:
     """Every class real DCP metadata holds (dtypes, layouts, paths, storage info) is allowed:
     the import is bitwise, with and without pickle allowed."""
@@ -124,4 +169,4 @@ def test_real_metadata_reads_with_only_dcp_classes(tmp_path: Path) -> None:
 def test_only_what_dcp_metadata_holds_is_built(module: str, name: str) -> None:
     raw = call_pickle(module, name, "x")
     with pytest.raises(UnsafeObjectError, match=f"build {re.escape(f'{module}.{name}')}, "):
-        load_restricted(io.BytesIO(raw), "m")
+        load_dcp_metadata(raw, "m")

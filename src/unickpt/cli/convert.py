@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     from ..tools.convert import ConvertOptions, export_checkpoint, import_checkpoint
     from ..tools.progress import progress_bar, wants_progress
     from ..tools.to_safetensors import DEFAULT_MAX_SHARD_BYTES
-    from ..tools.units import parse_size
+    from ..units import parse_size
 
     misuse = _misused(args)
     if misuse:
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(r: ConvertReport, exported: bool) -> str:
-    from ..tools.units import format_bytes
+    from ..units import format_bytes
 
     target = r.format if exported else "unickpt"
     files = f"{len(r.files)} file{'s' if len(r.files) != 1 else ''}"

@@ -139,7 +139,7 @@ def _number(x: float | None) -> str:
 
 def render(r: DiffReport) -> str:
     from ..tools.table import format_table
-    from ..tools.units import format_bytes
+    from ..units import format_bytes
 
     compared = (
         f"{r.tensors_compared} tensors ({format_bytes(r.bytes_compared)}) and "

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 def render(s: CheckpointSummary, expand: bool = False) -> str:
     from ..tools.inspection import foreign_format, group_objects
     from ..tools.table import format_table
-    from ..tools.units import format_bytes
+    from ..units import format_bytes
 
     producer = ", ".join(f"{k} {v}" for k, v in sorted(s.producer.items())) or "unknown"
     files = f"{len(s.files)} file{'s' if len(s.files) != 1 else ''}"

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(r: VerifyReport) -> str:
-    from ..tools.units import format_bytes
+    from ..units import format_bytes
 
     figures = (
         f"{r.files} data file{'s' if r.files != 1 else ''}, {r.chunks} chunks, {r.segments} "

@@ -13,7 +13,10 @@ hop; a checkpoint depends on at most the steps saved since the last full one.
 Compaction: every ``full_every``-th save of a rank is full (writes every chunk). The basis lives
 in memory; a Checkpointer's first save starts from the newest committed checkpoint of its root
 (:meth:`Basis.seed`, from its indexes: the checksums recorded there stand for the bytes), so a
-restarted job's first save refers to it too; without one that save is full.
+restarted job's first save refers to it too; without one that save is full. An index records
+the checksums of a compressed chunk's stored bytes only: that save compresses the chunk as it
+was stored and compares the stored checksums (compression is deterministic), then keeps the
+raw ones for the saves after.
 Retention keeps every step a kept checkpoint refers to.
 
 Memory: the basis and a save's digests hold one 16-character checksum per segment (1 MiB) plus
@@ -27,7 +30,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 
 import torch
@@ -38,6 +41,7 @@ from ..format.references import FileLocation, parse_reference
 from ..layouts.boxes import Box
 from ..planning.save_plan import CHUNK_ALIGN, WriteItem
 from .checksum import segment_digests
+from .compress import pack
 from .row_deltas import (
     MAX_CHANGED_FRACTION,
     changed_runs,
@@ -69,6 +73,12 @@ class StoredChunk:
     def content(self) -> tuple[str, ...]:
         """The checksums of the chunk's raw bytes, as a save hashes them."""
         return self.raw_checksums or self.checksums
+
+    @property
+    def content_known(self) -> bool:
+        """Whether :attr:`content` is known: not for a compressed chunk read from an index
+        (which records the checksums of its stored bytes only)."""
+        return self.compression is None or bool(self.raw_checksums)
 
 
 _Chunks = dict[tuple[str, Box], StoredChunk]
@@ -177,14 +187,38 @@ class IncrementalSave:
             [sources[i] for i in plain], [items[i].nbytes for i in plain], seg, threads
         )
         out: list[list[Piece]] = [[] for _ in items]
-        for i, digests in zip(plain, sums):
-            it = items[i]
-            stored = self.known.get((it.key, it.box))
-            same = stored is not None and stored.nbytes == it.nbytes and stored.content == digests
-            out[i] = [Piece(it.box, stored if same else None, sources[i], digests)]
+        stored = [self._stored(items[i]) for i in plain]
+        equal = self._compare(stored, [sources[i] for i in plain], sums, threads)
+        for i, digests, c, same in zip(plain, sums, stored, equal):
+            kept = replace(c, raw_checksums=digests) if c is not None and same else None
+            out[i] = [Piece(items[i].box, kept, sources[i], digests)]
         for i in rowwise:
             out[i] = self._row_pieces(items[i], sources[i])
         return out
+
+    def _compare(
+        self,
+        stored: Sequence[StoredChunk | None],
+        sources: Sequence[ItemSource],
+        sums: Sequence[tuple[str, ...]],
+        threads: int,
+    ) -> list[bool]:
+        """Whether each item's bytes (checksums ``sums``) are those of its stored chunk: by
+        their raw checksums, or, for a compressed chunk read from an index, compressed alike."""
+        unknown = [(n, c) for n, c in enumerate(stored) if c is not None and not c.content_known]
+        found = same_when_packed(
+            [sources[n] for n, _ in unknown], [c for _, c in unknown], self.segment_bytes, threads
+        )
+        packed = {n: same for (n, _), same in zip(unknown, found)}
+        return [
+            packed.get(n, c is not None and c.content == digests)
+            for n, (c, digests) in enumerate(zip(stored, sums))
+        ]
+
+    def _stored(self, item: WriteItem) -> StoredChunk | None:
+        """The stored chunk of ``item``'s key and box, of its size; None without one."""
+        found = self.known.get((item.key, item.box))
+        return found if found is not None and found.nbytes == item.nbytes else None
 
     def _row_pieces(self, item: WriteItem, source: ItemSource) -> list[Piece]:
         rows = item.box.lengths[0]
@@ -300,6 +334,27 @@ def relaid(items: Sequence[WriteItem]) -> tuple[WriteItem, ...]:
         out.append(WriteItem(it.key, it.box, offset, it.nbytes))
         offset += it.nbytes
     return tuple(out)
+
+
+def same_when_packed(
+    sources: Sequence[ItemSource], stored: Sequence[StoredChunk], segment: int, threads: int
+) -> list[bool]:
+    """Whether each source, compressed as its stored chunk was (same grouping, zstd level), is
+    that chunk: the same stored segment sizes and checksums. Compression is deterministic, so
+    equal raw bytes compress alike (a zstd of another version may not: the chunk is then
+    written again, as a changed one)."""
+    if not sources:
+        return []
+
+    def run(n: int) -> bool:
+        c = stored[n].compression
+        assert c is not None
+        data = sources[n].contiguous_bytes().numpy()
+        found = pack(data, c.width, segment)
+        return found.compression == c and found.checksums == stored[n].checksums
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="unickpt-hash") as pool:
+        return list(pool.map(run, range(len(sources))))
 
 
 def hash_items(

@@ -2,12 +2,14 @@
 
 A :class:`~unickpt.Replicated` tensor (a LayerNorm weight every tensor-parallel rank holds) is
 reduced across all ranks of the save, every rank taking part (ranks without the key give
-nothing): ``reduce="check"`` takes the element-wise maximum and minimum of the copies and fails
-the save on every rank, naming the key and the largest difference, where they differ;
+nothing): ``reduce="check"`` takes the element-wise maximum and minimum of the copies' bit
+patterns and fails the save on every rank where they differ in any bit (identical copies
+holding infinities or NaNs pass), naming the key and the largest difference in value;
 ``reduce="mean"`` sums the copies and saves their mean. Every rank learns which keys are
 replicated, with their shapes, from the save's own planning step, so no exchange is added to a
 save without replicated tensors; one with them costs one all-reduce per kind of reduction, of
-the replicated tensors' elements (as float64).
+the replicated tensors' elements (as float64 for a mean, as int64 bit patterns for a check,
+and a second, as float64, to name a difference found).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from ..dist import Comm
 from ..errors import CheckpointMismatchError
-from ..format.dtypes import dtype_name
+from ..format.dtypes import dtype_from_name, dtype_name, tensor_bytes
 from ..planning.flatten import Flattened
 
 
@@ -99,25 +101,63 @@ def _values(flat: Flattened, agreed: list[_Agreed], fill: float) -> np.ndarray:
 
 
 def _check(comm: Comm, flat: Flattened, agreed: list[_Agreed]) -> None:
-    """Refuse the save where the copies of a key differ: the largest difference of each."""
+    """Refuse the save where the copies of a key differ in any bit; identical copies pass,
+    infinities and NaNs included. Per key, the message names the largest difference in value
+    among the elements that differ."""
+    mine, inverted = _bits(flat, agreed)
+    both = comm.max_across(np.concatenate([mine, inverted]))
+    differ = both[: len(mine)] != ~both[len(mine) :]  # max != min: the max of ~x is ~min
+    if not differ.any():
+        return
     x = _values(flat, agreed, -np.inf)
-    both = comm.max_across(np.concatenate([x, -_values(flat, agreed, np.inf)]))
-    spread = both[: len(x)] + both[len(x) :]  # max - min, element-wise
+    extremes = comm.max_across(np.concatenate([x, -_values(flat, agreed, np.inf)]))
+    with np.errstate(invalid="ignore"):
+        spread = extremes[: len(x)] + extremes[len(x) :]  # max - min, element-wise
     bad = []
-    start = 0
+    words = values = 0
     for a in agreed:
-        part = spread[start : start + a.numel]
-        start += a.numel
-        if part.size and (np.isnan(part).any() or part.max() > 0):
-            where = int(np.nanargmax(part)) if not np.isnan(part).all() else 0
+        per = _words_per_element(a.spec.dtype)
+        element_differs = differ[words : words + a.numel * per].reshape(a.numel, per).any(1)
+        part = spread[values : values + a.numel]
+        words, values = words + a.numel * per, values + a.numel
+        if element_differs.any():
+            ranked = np.where(element_differs, np.nan_to_num(part, nan=np.inf), -np.inf)
+            where = int(np.argmax(ranked))
             bad.append((a, float(part[where]), where))
-    if bad:
-        raise CheckpointMismatchError(_differ_message(bad))
+    raise CheckpointMismatchError(_differ_message(bad))
+
+
+def _bits(flat: Flattened, agreed: list[_Agreed]) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's copies as the bit patterns of their elements (int64 words), and the same
+    inverted, so that one max-reduction of both gives each word's maximum and minimum over the
+    holders; a rank without a copy gives the lowest int64 in both, which changes neither."""
+    low = np.iinfo(np.int64).min
+    mine, inverted = [], []
+    for a in agreed:
+        leaf = flat.tensors.get(a.spec.key)
+        if leaf is None or not leaf.pieces:
+            none = np.full(a.numel * _words_per_element(a.spec.dtype), low, dtype=np.int64)
+            mine.append(none)
+            inverted.append(none)
+        else:
+            ((_, view),) = leaf.pieces
+            raw = tensor_bytes(view.detach().cpu().contiguous())
+            size = min(view.element_size(), 8)
+            words = raw.view(f"<i{size}").astype(np.int64)
+            mine.append(words)
+            inverted.append(~words)
+    empty = np.zeros(0, dtype=np.int64)
+    return (np.concatenate(mine), np.concatenate(inverted)) if mine else (empty, empty)
+
+
+def _words_per_element(dtype: str) -> int:
+    """The int64 words of one element's bit pattern (two for 16-byte elements)."""
+    return max(1, dtype_from_name(dtype).itemsize // 8)
 
 
 def _differ_message(bad: list[tuple[_Agreed, float, int]]) -> str:
     shown = "; ".join(
-        f"'{a.spec.key}' differs by up to {diff:g} between the copies of ranks "
+        f"'{a.spec.key}' {_difference(diff)} between the copies of ranks "
         f"{_ranks(a.holders)} (at element {_element(at, a.spec.shape)})"
         for a, diff, at in bad[:5]
     )
@@ -128,6 +168,17 @@ def _differ_message(bad: list[tuple[_Agreed, float, int]]) -> str:
         "reduced across tensor-parallel ranks), or use reduce='mean' to save their mean. "
         "Nothing was saved."
     )
+
+
+def _difference(diff: float) -> str:
+    if diff != diff:
+        return "differs (a NaN, or an infinity, in some copies only)"
+    if diff == 0:
+        return (
+            "differs in its bits, not as float64 values (0.0 and -0.0, NaNs of other bits, or "
+            "integers beyond 2**53)"
+        )
+    return f"differs by up to {diff:g}"
 
 
 def _element(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,14 +1,16 @@
 """A ``torch.distributed.checkpoint`` (DCP) folder as unickpt metadata, so a load reads it
 online and reshards it like a unickpt checkpoint.
 
-DCP's pickled ``.metadata`` is read with only the classes DCP metadata holds
-(:mod:`unickpt.tools.safe_unpickle`, unless pickle is allowed); it gives each tensor's chunks
+DCP's pickled ``.metadata`` is read as plain data and what DCP metadata holds
+(:mod:`.dcp_pickles`, unless pickle is allowed), and every byte range it states is checked
+against the folder's files before anything is read or allocated; it gives each tensor's chunks
 (offsets and sizes) and, per chunk, a byte range of a ``__N_M.distcp`` file. DCP stores each
 chunk there as a ``torch.save`` archive (or as raw bytes): the archive's zip directory and its
-small pickle, read from the start and end of the range and unpickled with a handful of allowed
-names, give where the chunk's raw row-major bytes begin. Each rank then reads, of those, only
+small pickle, read from the start and end of the range and read as a tensor's pickle, give
+where the chunk's raw row-major bytes begin. Each rank then reads, of those, only
 the bytes of what it holds. Non-tensor entries (``torch.save`` bytes) are read with
-``torch.load(weights_only=True)`` and must be values unickpt stores without pickle. DCP files
+``torch.load(weights_only=True)``, once their pickle is found to be plain data and tensors (no
+constructor given a size), and must be values unickpt stores without pickle. DCP files
 carry no checksums: the load report names them as unverified.
 """
 
@@ -29,9 +31,10 @@ from ..format.metadata import ChunkMeta, Metadata, TensorMeta
 from ..format.values import encode_value
 from ..storage.base import Storage
 from .common import FORMAT_KEY, SEGMENT_BYTES
+from .dcp_checks import METADATA_FILE, check_storage, storage_info
+from .dcp_pickles import check_value_archive, load_dcp_metadata, load_tensor_pickle
 
 DCP = "dcp"
-METADATA_FILE = ".metadata"
 _EDGE_BYTES = 4096
 """Bytes read from each end of a chunk's archive: its first entries and its zip directory."""
 
@@ -45,8 +48,9 @@ def read_dcp(storage: Storage, allow_pickle: bool = False) -> Metadata:
     )
 
     dcp_meta = _read_metadata(storage, allow_pickle)
+    check_storage(dcp_meta, storage.size, storage.location)
     data = dcp_meta.storage_data or {}
-    files = sorted({_info(data, k, storage).relative_path for k in data})
+    files = sorted({info.relative_path for info in data.values()})
     number = {f: i for i, f in enumerate(files)}
     tensors: dict[str, TensorMeta] = {}
     objects: dict[str, Any] = {}
@@ -77,40 +81,18 @@ def read_dcp(storage: Storage, allow_pickle: bool = False) -> Metadata:
 
 
 def _read_metadata(storage: Storage, allow_pickle: bool) -> Any:
-    from torch.distributed.checkpoint.metadata import Metadata as DcpMetadata
-
-    from ..tools.safe_unpickle import load_restricted
-
     where = f"{storage.location}/{METADATA_FILE}"
     raw = storage.read_bytes(METADATA_FILE)
     if raw is None:
         raise CheckpointCorruptError(f"{where} is missing; the DCP checkpoint is incomplete.")
     try:
-        meta = pickle.loads(raw) if allow_pickle else load_restricted(io.BytesIO(raw), where)
+        return pickle.loads(raw) if allow_pickle else load_dcp_metadata(raw, where)
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
         raise CheckpointCorruptError(f"{where} could not be read ({e}); it is damaged.") from e
-    if not isinstance(meta, DcpMetadata):
-        raise CheckpointCorruptError(
-            f"{where} holds a {type(meta).__name__}, expected DCP's Metadata; it is damaged."
-        )
-    return meta
 
 
 def _info(data: dict[Any, Any], key: Any, storage: Storage) -> Any:
-    info: Any = data.get(key)
-    ok = info is not None and all(hasattr(info, a) for a in ("relative_path", "offset", "length"))
-    if not ok:
-        raise CheckpointCorruptError(
-            f"{storage.location}/{METADATA_FILE} has no file and byte range for "
-            f"{getattr(key, 'fqn', key)!r}; the DCP checkpoint is damaged or was not written by "
-            "DCP's file system writer."
-        )
-    name = info.relative_path
-    if not isinstance(name, str) or "/" in name or name.startswith("."):
-        raise CheckpointCorruptError(
-            f"{storage.location}/{METADATA_FILE} names data file {name!r}; expected a file of "
-            "the checkpoint's folder. The checkpoint is damaged."
-        )
+    info = storage_info(data, key, f"{storage.location}/{METADATA_FILE}")
     if getattr(info, "transform_descriptors", None):
         raise CheckpointError(
             f"'{getattr(key, 'fqn', key)}' is stored with DCP extensions "
@@ -125,14 +107,7 @@ def _raw_range(
 ) -> tuple[int, int]:
     """``(byte offset, bytes)`` of a chunk's raw row-major bytes in its file."""
     nbytes = math.prod(sizes) * itemsize(dtype)
-    end = info.offset + info.length
-    size = storage.size(info.relative_path)
     where = f"{storage.location}/{info.relative_path}"
-    if size is None or end > size:
-        raise CheckpointCorruptError(
-            f"{where} has {size} bytes but the DCP metadata places '{fqn}' at bytes "
-            f"[{info.offset}, {end}); the checkpoint is incomplete or damaged."
-        )
     if info.length == nbytes:  # raw bytes (DCP's non-torch.save serialization)
         return info.offset, nbytes
     archive = _Window(storage, info.relative_path, info.offset, info.length)
@@ -157,7 +132,7 @@ def _archive_data(
             order = next((n for n in z.namelist() if n.endswith("/byteorder")), None)
             if order is not None and z.read(order) != b"little":
                 raise CheckpointError(f"{where}: '{fqn}' is stored big-endian; load it with DCP.")
-            tensor = _Rebuilt.load(z.read(pkl), where)
+            tensor = load_tensor_pickle(z.read(pkl), where)
             info = z.getinfo(f"{prefix}/data/{tensor.key}")
     except (zipfile.BadZipFile, StopIteration, KeyError, pickle.UnpicklingError, EOFError) as e:
         raise CheckpointCorruptError(
@@ -176,49 +151,6 @@ def _archive_data(
         )
     skip = tensor.offset * itemsize(dtype)
     return archive.header(info.header_offset) + skip, info.file_size - skip
-
-
-class _Rebuilt:
-    """What a ``torch.save`` pickle of one tensor says: its storage key, storage offset (in
-    elements), size and strides. Unpickled with only the names such a pickle holds."""
-
-    def __init__(self, key: str, offset: int, size: tuple[int, ...], stride: tuple[int, ...]):
-        self.key, self.offset, self.size, self.stride = key, offset, size, stride
-
-    @staticmethod
-    def load(raw: bytes, where: str) -> _Rebuilt:
-        found = _TensorUnpickler(io.BytesIO(raw), where).load()
-        if not isinstance(found, _Rebuilt):
-            raise pickle.UnpicklingError(f"a {type(found).__name__} instead of a tensor")
-        return found
-
-
-def _rebuild(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> _Rebuilt:
-    return _Rebuilt(str(storage[1]), int(offset), tuple(size), tuple(stride))
-
-
-class _TensorUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, where: str) -> None:
-        super().__init__(file)
-        self.where = where
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict
-        if module == "torch" and name.endswith("Storage") and hasattr(torch, name):
-            return name
-        raise UnsafeObjectError(
-            f"{self.where} asks pickle to build {module}.{name}, which a tensor saved by DCP "
-            "does not hold; unickpt refused it, since unpickling it could run code from the "
-            "file. Load it with torch.distributed.checkpoint.load only if you trust it."
-        )
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
-            raise pickle.UnpicklingError(f"an unknown persistent reference {str(pid)[:80]!r}")
-        return pid[1:]
 
 
 class _Window(io.RawIOBase):
@@ -288,13 +220,22 @@ def _check_tiled(key: str, shape: tuple[int, ...], chunks: list[ChunkMeta]) -> N
 
 
 def _read_value(storage: Storage, fqn: str, info: Any, allow_pickle: bool) -> Any:
+    """The value of entry ``fqn``, its range within its file (:func:`check_storage`)."""
     raw = bytearray(info.length)
     storage.read_into(info.relative_path, info.offset, memoryview(raw))
+    if not allow_pickle:
+        check_value_archive(raw, f"{storage.location}/{info.relative_path} ('{fqn}')")
     try:
         value = torch.load(io.BytesIO(raw), weights_only=not allow_pickle)
     except pickle.UnpicklingError as e:
         raise UnsafeObjectError(
             f"'{fqn}' of the DCP checkpoint is an object torch.load(weights_only=True) "
             "refuses; if you trust the checkpoint, pass allow_pickle=True."
+        ) from e
+    except (RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointCorruptError(
+            f"'{fqn}' of the DCP checkpoint ({info.length} bytes at {info.offset} of "
+            f"{storage.location}/{info.relative_path}) is not a torch.save archive torch.load "
+            f"reads ({str(e).splitlines()[0]}); the checkpoint is damaged."
         ) from e
     return encode_value(value, fqn, allow_pickle)

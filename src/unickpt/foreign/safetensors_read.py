@@ -36,7 +36,9 @@ def is_safetensors(storage: Storage, name: str | None) -> bool:
 
 def read_safetensors(storage: Storage, name: str | None = None) -> Metadata:
     """The metadata of the safetensors checkpoint in ``storage``: ``name`` (a ``.safetensors``
-    file or an index ``.json``), else the folder's index, else its ``model.safetensors``."""
+    file or an index ``.json``), else the folder's ``model.safetensors``, else its index (the
+    order of ``from_pretrained``, which an overwrite relies on: see
+    :mod:`.safetensors_write`)."""
     files = _data_files(storage, name)
     tensors: dict[str, TensorMeta] = {}
     for number, file in enumerate(files):
@@ -62,11 +64,11 @@ def read_safetensors(storage: Storage, name: str | None = None) -> Metadata:
 def _data_files(storage: Storage, name: str | None) -> list[str]:
     if name is not None and name.endswith(".safetensors"):
         return [name]
+    if name is None and storage.size(SINGLE_FILE) is not None:
+        return [SINGLE_FILE]
     index = name or INDEX_FILE
     raw = storage.read_bytes(index)
     if raw is None:
-        if name is None and storage.size(SINGLE_FILE) is not None:
-            return [SINGLE_FILE]
         raise CheckpointNotFoundError(
             f"{storage.location}/{index} does not exist; expected a safetensors index or "
             f"{SINGLE_FILE}. Check the path."

@@ -5,15 +5,15 @@ dtype): tensors in name order fill shards of about ``max_shard_size``; within a 
 elements first, so each tensor is aligned. The coordinator creates each shard under a temporary
 name at its final size with its header; then every rank writes the boxes the save planner gave
 it (each stored box once, tied weights once) at their offsets, a box that is not a set of whole
-rows as one run per row piece; once every rank is done, the coordinator renames the shards and
-writes ``model.safetensors.index.json`` last (a single shard is ``model.safetensors``, no
-index). Only tensors are stored; other leaves are refused. Local folders only.
+rows as one run per row piece; once every rank is done, the coordinator puts the shards in
+place and writes ``model.safetensors.index.json`` (a single shard is ``model.safetensors``, no
+index) so that a model it replaces is never mixed with the new one (:func:`_commit`). Only
+tensors are stored; other leaves are refused. Local folders only.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 import os
@@ -36,7 +36,10 @@ from ..planning.save_keys import rename_for_save
 from ..planning.save_plan import GlobalPlan, build_global_plan
 from ..storage.base import Storage
 from ..storage.registry import is_local, local_path
-from ..tools.safetensors_format import (
+from ..units import parse_size
+from .common import DTYPE_NAMES
+from .safetensors_commit import replace_model
+from .safetensors_format import (
     INDEX_FILE,
     SINGLE_FILE,
     Entry,
@@ -45,8 +48,6 @@ from ..tools.safetensors_format import (
     plan_shards,
     shard_name,
 )
-from ..tools.units import parse_size
-from .common import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def save_safetensors(
 
         def commit() -> tuple[None, None]:
             if comm.is_coordinator:
-                _commit(folder, layout, temps)
+                _commit(folder, layout, temps, save_id)
             return None, None
 
         run_step(comm, "committing the safetensors files", commit)
@@ -195,6 +196,8 @@ def _create_files(folder: Path, layout: ShardLayout, temps: list[str], overwrite
         with open(folder / temp, "wb") as f:
             f.write(header)
             f.truncate(size)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _write_boxes(
@@ -263,31 +266,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-def _commit(folder: Path, layout: ShardLayout, temps: list[str]) -> None:
-    """The coordinator, once every rank wrote: shards to their names, then the index (for
-    more than one shard), then the folder synced; stale shards of an older model removed."""
-    for temp, name in zip(temps, layout.names):
-        os.replace(folder / temp, folder / name)
-    if len(layout.names) > 1:
-        weight_map = {k: p.file for k, p in sorted(layout.placed.items())}
-        doc = {"metadata": {"total_size": layout.total_bytes}, "weight_map": weight_map}
-        index_temp = folder / f".{INDEX_FILE}.tmp"
-        with open(index_temp, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(index_temp, folder / INDEX_FILE)
-    else:
-        (folder / INDEX_FILE).unlink(missing_ok=True)
-    keep = set(layout.names)
-    for stale in folder.glob("model-*-of-*.safetensors"):
-        if stale.name not in keep:
-            stale.unlink()
-    if layout.names != (SINGLE_FILE,):
-        (folder / SINGLE_FILE).unlink(missing_ok=True)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _commit(folder: Path, layout: ShardLayout, temps: list[str], save_id: str) -> None:
+    """The coordinator, once every rank wrote: the shards replace the folder's model."""
+    weight_map = {k: p.file for k, p in sorted(layout.placed.items())}
+    replace_model(folder, dict(zip(layout.names, temps)), weight_map, layout.total_bytes, save_id)

@@ -23,15 +23,30 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointCorruptError, UnsafeObjectError
+from ..errors import CheckpointCorruptError, CheckpointError, UnsafeObjectError
 from .dtypes import dtype_from_name, dtype_name, tensor_bytes
 
 LARGE_VALUE_TENSOR_BYTES = 1 << 20
 """A tensor inside a value larger than this is stored, with a warning, in the metadata."""
+MAX_DEPTH = 100
+"""How deep lists, tuples and dicts may nest in a state, and in a value (deeper ones are
+refused naming the key, before Python's recursion limit is reached)."""
 
 
-def encode_value(value: Any, key: str, allow_pickle: bool) -> Any:
-    """Encode ``value`` (stored at ``key``) as JSON-able data; refuse unsafe types."""
+def too_deep(key: str) -> CheckpointError:
+    """The error of a state or value nested more than :data:`MAX_DEPTH` deep at ``key``."""
+    return CheckpointError(
+        f"'{key}' nests lists, tuples or dicts more than {MAX_DEPTH} deep; unickpt walks "
+        f"states and stores values up to {MAX_DEPTH} levels. Store it flatter (or as a tensor "
+        "or bytes)."
+    )
+
+
+def encode_value(value: Any, key: str, allow_pickle: bool, depth: int = 0) -> Any:
+    """Encode ``value`` (stored at ``key``, ``depth`` containers down) as JSON-able data;
+    refuse unsafe types and nesting deeper than :data:`MAX_DEPTH`."""
+    if depth > MAX_DEPTH:
+        raise too_deep(key)
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -40,9 +55,15 @@ def encode_value(value: Any, key: str, allow_pickle: bool) -> Any:
         return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
         tag = "$list" if isinstance(value, list) else "$tuple"
-        return {tag: [encode_value(v, f"{key}[{i}]", allow_pickle) for i, v in enumerate(value)]}
+        items = [
+            encode_value(v, f"{key}[{i}]", allow_pickle, depth + 1) for i, v in enumerate(value)
+        ]
+        return {tag: items}
     if type(value) is dict and all(isinstance(k, str) for k in value):
-        return {"$dict": {k: encode_value(v, f"{key}.{k}", allow_pickle) for k, v in value.items()}}
+        found = {
+            k: encode_value(v, f"{key}.{k}", allow_pickle, depth + 1) for k, v in value.items()
+        }
+        return {"$dict": found}
     torch = sys.modules.get("torch")  # a tensor's module is imported (none is, in the tools)
     if torch is not None and type(value) is torch.Tensor:
         t = value.detach().cpu().contiguous()
@@ -98,9 +119,18 @@ class StoredTensor:
         return f"tensor {self.dtype} {list(self.shape)} {self.data.hex()}"
 
 
-def decode_value(encoded: Any, key: str, allow_pickle: bool, stored: bool = False) -> Any:
+def decode_value(
+    encoded: Any, key: str, allow_pickle: bool, stored: bool = False, depth: int = 0
+) -> Any:
     """Inverse of :func:`encode_value`; pickle only when ``allow_pickle``. With ``stored``,
-    tensors inside the value come back as :class:`StoredTensor` (torch is not imported)."""
+    tensors inside the value come back as :class:`StoredTensor` (torch is not imported).
+    ``depth``: how many containers down ``encoded`` lies (deeper than :data:`MAX_DEPTH` is
+    refused: unickpt never writes it)."""
+    if depth > MAX_DEPTH:
+        raise CheckpointCorruptError(
+            f"value of '{key}' in the metadata nests more than {MAX_DEPTH} deep, which unickpt "
+            "never writes; the metadata is damaged or was not written by unickpt."
+        )
     if encoded is None or isinstance(encoded, (bool, int, float, str)):
         return encoded
     if not isinstance(encoded, dict) or len(encoded) != 1:
@@ -110,7 +140,7 @@ def decode_value(encoded: Any, key: str, allow_pickle: bool, stored: bool = Fals
         )
     ((tag, payload),) = encoded.items()
     try:
-        return (_STORED if stored else _DECODERS)[tag](payload, key, allow_pickle)
+        return _DECODERS[tag](payload, key, allow_pickle, stored, depth + 1)
     except KeyError:
         raise CheckpointCorruptError(
             f"value of '{key}' has unknown tag {tag!r}; expected one of {sorted(_DECODERS)}. "
@@ -120,7 +150,7 @@ def decode_value(encoded: Any, key: str, allow_pickle: bool, stored: bool = Fals
         raise CheckpointCorruptError(f"value of '{key}' cannot be decoded: {e}") from e
 
 
-def _decode_pickle(payload: str, key: str, allow_pickle: bool) -> Any:
+def _decode_pickle(payload: str, key: str, allow_pickle: bool, stored: bool, depth: int) -> Any:
     if not allow_pickle:
         raise UnsafeObjectError(
             f"'{key}' was saved with pickle; loading it could run code from the checkpoint. "
@@ -129,12 +159,12 @@ def _decode_pickle(payload: str, key: str, allow_pickle: bool) -> Any:
     return pickle.loads(base64.b64decode(payload))
 
 
-def _stored_tensor(payload: dict[str, Any], key: str, allow_pickle: bool) -> StoredTensor:
-    shape = tuple(int(s) for s in payload["shape"])
-    return StoredTensor(str(payload["dtype"]), shape, base64.b64decode(payload["data"]))
-
-
-def _decode_tensor(payload: dict[str, Any], key: str, allow_pickle: bool) -> Any:
+def _decode_tensor(
+    payload: dict[str, Any], key: str, allow_pickle: bool, stored: bool, depth: int
+) -> Any:
+    if stored:
+        shape = tuple(int(s) for s in payload["shape"])
+        return StoredTensor(str(payload["dtype"]), shape, base64.b64decode(payload["data"]))
     import torch
 
     dtype = dtype_from_name(payload["dtype"])
@@ -145,21 +175,15 @@ def _decode_tensor(payload: dict[str, Any], key: str, allow_pickle: bool) -> Any
 
 
 _DECODERS: dict[str, Any] = {
-    "$float": lambda p, k, a: float(p),
-    "$bytes": lambda p, k, a: base64.b64decode(p),
-    "$list": lambda p, k, a: [decode_value(v, f"{k}[{i}]", a) for i, v in enumerate(p)],
-    "$tuple": lambda p, k, a: tuple(decode_value(v, f"{k}[{i}]", a) for i, v in enumerate(p)),
-    "$dict": lambda p, k, a: {str(n): decode_value(v, f"{k}.{n}", a) for n, v in p.items()},
+    "$float": lambda p, k, a, s, d: float(p),
+    "$bytes": lambda p, k, a, s, d: base64.b64decode(p),
+    "$list": lambda p, k, a, s, d: [decode_value(v, f"{k}[{i}]", a, s, d) for i, v in enumerate(p)],
+    "$tuple": lambda p, k, a, s, d: tuple(
+        decode_value(v, f"{k}[{i}]", a, s, d) for i, v in enumerate(p)
+    ),
+    "$dict": lambda p, k, a, s, d: {
+        str(n): decode_value(v, f"{k}.{n}", a, s, d) for n, v in p.items()
+    },
     "$tensor": _decode_tensor,
     "$pickle": _decode_pickle,
-}
-
-
-# The same, tensors inside a value decoded as StoredTensor.
-_STORED: dict[str, Any] = {
-    **_DECODERS,
-    "$list": lambda p, k, a: [decode_value(v, f"{k}[{i}]", a, True) for i, v in enumerate(p)],
-    "$tuple": lambda p, k, a: tuple(decode_value(v, f"{k}[{i}]", a, True) for i, v in enumerate(p)),
-    "$dict": lambda p, k, a: {str(n): decode_value(v, f"{k}.{n}", a, True) for n, v in p.items()},
-    "$tensor": _stored_tensor,
 }

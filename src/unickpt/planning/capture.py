@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from ..format.values import MAX_DEPTH, too_deep
 from ..layouts.dtensor import is_dtensor, local_tensor
 from ..layouts.leaves import FlatShard, Fused, Padded, PerRank, Replicated, ShardedTensor
 from .stateful import StatefulAdapter, collect_modules, is_stateful
@@ -142,10 +143,12 @@ class _Capturer:
     def add_buffers(self, module: nn.Module) -> None:
         self.buffers.update(_address(b) for b in module.buffers() if b.numel())
 
-    def walk_dict(self, d: dict[Any, Any], prefix: str) -> dict[Any, Any]:
-        return {k: self.visit(v, f"{prefix}{k}") for k, v in d.items()}
+    def walk_dict(self, d: dict[Any, Any], prefix: str, depth: int = 0) -> dict[Any, Any]:
+        return {k: self.visit(v, f"{prefix}{k}", depth) for k, v in d.items()}
 
-    def visit(self, value: Any, key: str) -> Any:
+    def visit(self, value: Any, key: str, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise too_deep(key)
         if isinstance(value, torch.Tensor):
             return self.tensor(value, key)
         if isinstance(value, (ShardedTensor, FlatShard, Fused)):
@@ -158,9 +161,9 @@ class _Capturer:
         if isinstance(value, PerRank):
             return replace(value, value=self.plain(value.value, key))
         if isinstance(value, dict) and not is_stateful(value):
-            return self.walk_dict(value, key + ".")
+            return self.walk_dict(value, key + ".", depth + 1)
         if isinstance(value, list):
-            return [self.visit(v, f"{key}.{i}") for i, v in enumerate(value)]
+            return [self.visit(v, f"{key}.{i}", depth + 1) for i, v in enumerate(value)]
         if is_stateful(value):
             return self.stateful(value, key)
         return self.plain(value, key)
@@ -199,16 +202,18 @@ class _Capturer:
             found = self.copies[id(t)] = t.detach().clone()
         return found
 
-    def plain(self, value: Any, key: str) -> Any:
+    def plain(self, value: Any, key: str, depth: int = 0) -> Any:
         """A value stored whole (encoded later): a private copy of it."""
+        if depth > MAX_DEPTH:
+            raise too_deep(key)
         if isinstance(value, _IMMUTABLE):
             return value
         if isinstance(value, torch.Tensor):
             return value.detach().clone()  # deepcopy refuses tensors with a graph
         if type(value) in (list, tuple):
-            return type(value)(self.plain(v, key) for v in value)
+            return type(value)(self.plain(v, key, depth + 1) for v in value)
         if type(value) is dict:
-            return {k: self.plain(v, key) for k, v in value.items()}
+            return {k: self.plain(v, key, depth + 1) for k, v in value.items()}
         try:
             return copy.deepcopy(value)
         except Exception as e:

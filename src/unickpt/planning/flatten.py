@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..format.values import MAX_DEPTH, too_deep
 from ..layouts.boxes import Box, flat_range_to_boxes
 from ..layouts.dtensor import dtensor_pieces, is_dtensor, local_tensor
 from ..layouts.fused import fused_tensors
@@ -94,7 +95,7 @@ def flatten_state(
         )
     out = Flattened()
     rules = rules_of(layout) if layout is not None else current_rules()
-    _Walker(out, collect_modules(state), for_load, rules).walk_dict(state, "")
+    _Walker(out, collect_modules(state), for_load, rules).walk_dict(state, "", 0)
     return out
 
 
@@ -118,11 +119,15 @@ class _Walker:
         self.seen.add(key)
         return key
 
-    def walk_dict(self, d: dict[Any, Any], prefix: str) -> None:
+    def walk_dict(self, d: dict[Any, Any], prefix: str, depth: int) -> None:
         for k, v in d.items():
-            self.visit(v, f"{prefix}{k}", d, k)
+            self.visit(v, f"{prefix}{k}", d, k, depth)
 
-    def visit(self, value: Any, key: str, parent: Any, slot: Any) -> None:
+    def visit(self, value: Any, key: str, parent: Any, slot: Any, depth: int) -> None:
+        """Walk ``value`` at ``key``, ``depth`` containers below the state (at most
+        :data:`~unickpt.format.values.MAX_DEPTH`)."""
+        if depth > MAX_DEPTH:
+            raise too_deep(key)
         if self.rules is not None and isinstance(value, _TENSOR_LIKE):
             value = self.rules.wrap(key, value)
         if isinstance(value, (dict, list)) and not value:
@@ -130,10 +135,10 @@ class _Walker:
         elif isinstance(value, dict) and not is_stateful(value):
             if is_numbered_optimizer_state(value):
                 self.out.numbered.append(key)
-            self.walk_dict(value, key + ".")
-        elif isinstance(value, list) and _holds_state(value):
+            self.walk_dict(value, key + ".", depth + 1)
+        elif isinstance(value, list) and _holds_state(value, key, depth):
             for i, v in enumerate(value):
-                self.visit(v, f"{key}.{i}", value, i)
+                self.visit(v, f"{key}.{i}", value, i, depth + 1)
         elif isinstance(value, PerRank):
             self.out.per_rank[self.claim(key)] = value
         elif isinstance(value, (torch.Tensor, ShardedTensor, FlatShard, Padded)):
@@ -150,7 +155,7 @@ class _Walker:
             self.out.stateful.append((adapter, template))
             if is_numbered_optimizer_state(template):
                 self.out.numbered.append(key)
-            self.walk_dict(template, key + ".")
+            self.walk_dict(template, key + ".", depth + 1)
         else:
             self.value(key, value, _setter(parent, slot))
 
@@ -180,14 +185,17 @@ class _Walker:
 _TENSOR_LIKE = (torch.Tensor, ShardedTensor, FlatShard)
 
 
-def _holds_state(value: Any) -> bool:
-    """Whether a container holds tensors or objects (then it is walked, not stored whole)."""
+def _holds_state(value: Any, key: str, depth: int) -> bool:
+    """Whether a container (at ``key``, ``depth`` containers down) holds tensors or objects
+    (then it is walked, not stored whole)."""
+    if depth > MAX_DEPTH:
+        raise too_deep(key)
     if isinstance(value, (*_TENSOR_LIKE, PerRank, *LAYOUT_LEAVES)):
         return True
     if isinstance(value, dict):
-        return any(_holds_state(v) for v in value.values())
+        return any(_holds_state(v, key, depth + 1) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_holds_state(v) for v in value)
+        return any(_holds_state(v, key, depth + 1) for v in value)
     return is_stateful(value)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError
 
 METADATA_FILE = ".metadata"
 
@@ -36,13 +36,27 @@ def single_process(failure: str, kind: type[CheckpointError] = CheckpointError) 
 def nest_by_paths(flat: dict[str, Any], paths: Any) -> dict[str, Any]:
     """The state ``dcp.save`` was given, rebuilt from DCP's dotted keys and the object paths
     its planner recorded (``("optimizer", "param_groups", 0, "lr")``; an int is a list index).
-    Keys without a recorded path stay as they are."""
+    Keys without a recorded path stay as they are. A list index is at most the number of
+    entries (a list of ``n`` items has at least one entry per item): the file's numbers are
+    not list lengths to allocate."""
     paths = paths if isinstance(paths, dict) else {}
     root: dict[str, Any] = {}
     for key, value in flat.items():
         path = paths.get(key)
         path = tuple(path) if isinstance(path, (tuple, list)) and path else (key,)
-        _set_path(root, path, value)
+        bad = [p for p in path if type(p) is int and not 0 <= p < len(flat)]
+        if bad:
+            raise CheckpointCorruptError(
+                f"DCP's planner data places {key!r} at list index {bad[0]}, but the checkpoint "
+                f"has {len(flat)} entries; the metadata is damaged."
+            )
+        try:
+            _set_path(root, path, value)
+        except (TypeError, AttributeError) as e:  # a list index into a dict, a key into a list
+            raise CheckpointCorruptError(
+                f"DCP's planner data places {key!r} at {path!r}, which clashes with another "
+                f"entry ({e}); the metadata is damaged."
+            ) from e
     return root
 
 

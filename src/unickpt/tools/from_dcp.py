@@ -2,9 +2,11 @@
 
 DCP's own reader loads the tensors, a group of at most ``group_bytes`` at a time, into a
 scratch file next to the destination (:class:`unickpt.tools.spool.Spool`); the save then reads
-them memory-mapped. DCP pickles its ``.metadata``: it is read with only the classes DCP
-metadata holds (:mod:`.safe_unpickle`), and non-tensor entries with
-``torch.load(weights_only=True)``, unless pickle is allowed.
+them memory-mapped. DCP pickles its ``.metadata``: it is read as plain data and what DCP
+metadata holds (:mod:`unickpt.foreign.dcp_pickles`), and non-tensor entries, once their pickle
+is found to be plain data, with ``torch.load(weights_only=True)``, unless pickle is allowed.
+Either way, every file and byte range the metadata states is checked against the folder
+(:func:`unickpt.foreign.dcp_checks.check_storage`) before torch's reader opens a file.
 """
 
 from __future__ import annotations
@@ -38,13 +40,14 @@ from ..errors import (
     CheckpointNotFoundError,
     UnsafeObjectError,
 )
+from ..foreign.dcp_checks import check_storage
+from ..foreign.dcp_pickles import check_value_archive, load_dcp_metadata
 from ..storage.registry import is_local, local_path
 from .dcp_common import METADATA_FILE, nest_by_paths, single_process
 from .imports import save_imported, with_prefix
 from .output import check_distinct
 from .progress import ProgressFn
 from .reports import ConvertReport
-from .safe_unpickle import load_restricted
 from .spool import Spool
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,8 @@ class _ValuePlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
+        if not self.allow_pickle:
+            check_value_archive(value.getvalue(), f"'{fqn}' of the DCP checkpoint")
         try:
             obj = torch.load(value, weights_only=not self.allow_pickle)
         except pickle.UnpicklingError as e:
@@ -160,27 +165,31 @@ def _half(progress: ProgressFn | None, which: int, scale: int) -> ProgressFn | N
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file system reader, reading ``.metadata`` with :mod:`.safe_unpickle` (only the
-    classes DCP metadata holds) unless pickle is allowed."""
+    """DCP's file system reader, reading ``.metadata`` as plain data and what DCP metadata
+    holds (:mod:`unickpt.foreign.dcp_pickles`) unless pickle is allowed, and refusing metadata
+    whose files and byte ranges are not of the folder (:func:`check_storage`) either way."""
 
     def __init__(self, path: Path, allow_pickle: bool) -> None:
         super().__init__(path)
         self.allow_pickle = allow_pickle
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        folder = Path(self.path)
         if self.allow_pickle:
-            return super().read_metadata(*args, **kwargs)
-        path = Path(self.path) / METADATA_FILE
-        with path.open("rb") as f:
-            meta = load_restricted(f, str(path))
-        if not isinstance(meta, Metadata):
-            raise CheckpointCorruptError(
-                f"{path} holds a {type(meta).__name__}, expected DCP's Metadata; it is damaged."
-            )
-        storage = getattr(meta, "storage_meta", None) or StorageMeta()
-        storage.load_id = self.load_id
-        meta.storage_meta = storage
+            meta = super().read_metadata(*args, **kwargs)
+        else:
+            path = folder / METADATA_FILE
+            meta = load_dcp_metadata(path.read_bytes(), str(path))
+        check_storage(meta, lambda name: _size(folder / name), str(folder))
+        if not self.allow_pickle:
+            storage = getattr(meta, "storage_meta", None) or StorageMeta()
+            storage.load_id = self.load_id
+            meta.storage_meta = storage
         return meta
+
+
+def _size(path: Path) -> int | None:
+    return path.stat().st_size if path.is_file() else None
 
 
 def read_dcp_metadata(src: Path, allow_pickle: bool = False) -> Metadata:

@@ -6,7 +6,6 @@ whatever the size of the checkpoint or of its largest tensor.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -14,14 +13,8 @@ import uuid
 from pathlib import Path
 
 from ..engine.reader import CheckpointReader
-from ..format.dtypes import dtype_from_name
-from ..layouts.boxes import Box
-from ..storage.base import Storage
-from .blocks import DEFAULT_BLOCK_BYTES, stream_tensor
-from .output import atomic_file, check_distinct, fsync_file, prepare_folder, remove_files
-from .progress import ProgressFn
-from .reports import ConvertReport
-from .safetensors_format import (
+from ..foreign.safetensors_commit import replace_model
+from ..foreign.safetensors_format import (
     DTYPE_NAMES,
     INDEX_FILE,
     SINGLE_FILE,
@@ -31,6 +24,13 @@ from .safetensors_format import (
     plan_shards,
     shard_name,
 )
+from ..format.dtypes import dtype_from_name
+from ..layouts.boxes import Box
+from ..storage.base import Storage
+from .blocks import DEFAULT_BLOCK_BYTES, stream_tensor
+from .output import atomic_file, check_distinct, fsync_file, prepare_folder, remove_files
+from .progress import ProgressFn
+from .reports import ConvertReport
 from .selection import select_keys
 from .values import warn_left_out
 
@@ -97,9 +97,9 @@ def export_safetensors(
         else:
             old = [dst_path / SINGLE_FILE, dst_path / INDEX_FILE]
             old += dst_path.glob("model-*-of-*.safetensors")
-            stale = prepare_folder(dst_path, old, overwrite, "safetensors export")
+            prepare_folder(dst_path, old, overwrite, "safetensors export")
             warn()
-            files = _write_folder(writer, dst_path, entries, max_shard_bytes, stale)
+            files = _write_folder(writer, dst_path, entries, max_shard_bytes)
     return ConvertReport(
         reader.storage.location,
         str(dst_path),
@@ -149,41 +149,25 @@ def _warn_mixed(keys: list[str], only: str | None) -> None:
 
 
 def _write_folder(
-    writer: _Writer, dst: Path, entries: list[Entry], max_shard_bytes: int, stale: list[Path]
+    writer: _Writer, dst: Path, entries: list[Entry], max_shard_bytes: int
 ) -> list[Path]:
-    """One file or shards plus an index in ``dst`` (made by :func:`prepare_folder`); files of
-    an earlier export (``stale``) are replaced."""
+    """One file or shards plus an index in ``dst`` (made by :func:`prepare_folder`), written
+    under scratch names, then put in place of an earlier export so that a crash leaves one of
+    them whole (:func:`~unickpt.foreign.safetensors_commit.replace_model`)."""
     shards = plan_shards(entries, max_shard_bytes)
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [shard_name(i, n) for i in range(n)]
-    _write_shards(writer, dst, shards, names)
-    written = [dst / name for name in names]
-    if n > 1:
-        written.append(_write_index(dst, shards, names, writer.total))
-    remove_files(p for p in stale if p not in written)
-    return written
-
-
-def _write_shards(writer: _Writer, dst: Path, shards: list[list[Entry]], names: list[str]) -> None:
-    """Write every shard under a scratch name, then give them their names."""
     tag = uuid.uuid4().hex[:8]
-    scratch = [dst / f".{name}.{tag}.tmp" for name in names]
+    scratch = {name: f".{name}.{tag}.tmp" for name in names}
     try:
-        for path, shard in zip(scratch, shards):
-            writer.write_file(path, shard)
-            fsync_file(path)
-        for path, name in zip(scratch, names):
-            os.replace(path, dst / name)
+        for name, shard in zip(names, shards):
+            writer.write_file(dst / scratch[name], shard)
+            fsync_file(dst / scratch[name])
+        weight_map = {e.name: name for name, shard in zip(names, shards) for e in shard}
+        replace_model(dst, scratch, weight_map, writer.total, tag)
     finally:
-        remove_files(scratch)
-
-
-def _write_index(dst: Path, shards: list[list[Entry]], names: list[str], total: int) -> Path:
-    weight_map = {e.name: name for name, shard in zip(names, shards) for e in shard}
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    with atomic_file(dst / INDEX_FILE, overwrite=True) as tmp:
-        tmp.write_text(json.dumps(index, indent=2) + "\n")
-    return dst / INDEX_FILE
+        remove_files(dst / s for s in scratch.values())
+    return [dst / name for name in names] + ([dst / INDEX_FILE] if n > 1 else [])
 
 
 class _Writer:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..foreign.common import DTYPE_NAMES as DTYPE_NAMES
-from ..foreign.common import INDEX_FILE as INDEX_FILE
-from ..foreign.common import SINGLE_FILE as SINGLE_FILE
+from .common import DTYPE_NAMES as DTYPE_NAMES
+from .common import INDEX_FILE as INDEX_FILE
+from .common import SINGLE_FILE as SINGLE_FILE
 
 
 def shard_name(index: int, count: int) -> str:

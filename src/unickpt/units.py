@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import CheckpointError
+from .errors import CheckpointError
 
 _UNITS = {
     "": 1,

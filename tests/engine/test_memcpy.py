@@ -133,7 +133,8 @@ def test_half_rows_copied_as_overlapping_rows_land_exactly(
 def test_rows_the_overlapping_copy_does_not_pay_for_are_copied_plainly() -> None:
     """Long rows (glibc already copies them with ``rep movsb``), source rows more than twice
     the part apart (the copy would write past the destination), sources too short for the
-    threshold, destinations whose rows are not back to back, one row, and 3-D parts."""
+    threshold, destinations whose rows are not back to back, one row, a source in the
+    destination's memory, and 3-D parts."""
     base = torch.randn(6, 4096)
     cases = {
         "long rows": (torch.zeros(6, 1024), base[:, :1024]),
@@ -151,6 +152,13 @@ def test_rows_the_overlapping_copy_does_not_pay_for_are_copied_plainly() -> None
     cube = torch.randn(3, 4, 768)
     d, s = host_rows(torch.zeros(3, 4, 384)), host_rows(cube[:, :, :384])
     assert d is not None and s is not None and not memcpy._overlaps_pay(d, s)
+    flat = torch.randn(12 * 768)  # rows of the source overwritten by the copy itself
+    src, dst = flat.view(12, 768)[:6, :384], flat[768 : 768 + 6 * 384].view(6, 384)
+    want = src.clone()
+    d, s = host_rows(dst), host_rows(src)
+    assert d is not None and s is not None and not memcpy._overlaps_pay(d, s)
+    copy_host_rows(d, s)
+    assert torch.equal(dst, want)
 
 
 def test_numpy_copies_overlapping_items_in_ascending_order() -> None:

@@ -138,6 +138,8 @@ def _overlaps_pay(d: np.ndarray, s: np.ndarray) -> bool:
     run, step = d.itemsize, s.strides[0]
     if d.strides[0] != run or not run < REP_MOVSB_BYTES <= step <= 2 * run:
         return False
+    if np.may_share_memory(d, s):  # the overlap would write over rows still to be read
+        return False
     return _fast_short_rep_movsb() and _ascending_overlaps()
 
 

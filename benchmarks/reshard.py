@@ -3,7 +3,9 @@
 Saves transformer-shaped matrices as ``Shard(0)`` over ``--world`` CPU ranks (gloo), then loads
 them, alternating, into ``Shard(0)`` (the same layout), into ``Shard(1)`` with reads shared on the
 host, and into ``Shard(1)`` with every rank reading alone (``share_reads=False``). Times are the
-slowest rank's, medians (min, max) of ``--runs`` rounds; bytes are summed over ranks.
+slowest rank's, medians (min, max) of ``--runs`` rounds; CPU times (user and system, all threads)
+and bytes are summed over ranks. On a machine that others share, CPU time is the steadier
+figure: waiting for a core does not count.
 
 python benchmarks/reshard.py --mb 400 --world 2 --runs 5
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -70,11 +73,12 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) ->
     for run in range(args.runs + 1):
         for case in CASES if run % 2 else reversed(CASES):
             dist.barrier()
+            cpu = _cpu_s()
             start = time.perf_counter()
             report = unickpt.load(path, dests[case], config=configs[case])
             elapsed = time.perf_counter() - start
             rows.append(
-                dict(run=run, case=case, s=elapsed, read=report.bytes_read,
+                dict(run=run, case=case, s=elapsed, cpu=_cpu_s() - cpu, read=report.bytes_read,
                      wanted=report.bytes_wanted, peers=report.bytes_from_peers)
             )  # fmt: skip
     reference = _state(shapes, mesh, 1, fill=True)
@@ -82,6 +86,15 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) ->
     equal = all(torch.equal(got[k].to_local(), reference[k].to_local()) for k in shapes)
     q.put((rank, rows, equal))
     dist.destroy_process_group()
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _cpu(per_rank: list[list[dict[str, Any]]], run: int, case: str) -> float:
+    return sum(r["cpu"] for rows in per_rank for r in rows if (r["run"], r["case"]) == (run, case))
 
 
 def _slowest(per_rank: list[list[dict[str, Any]]], run: int, case: str) -> float:
@@ -92,15 +105,19 @@ def _summary(per_rank: list[list[dict[str, Any]]], runs: int) -> dict[str, Any]:
     """Slowest rank per (run, case); the first round is a warm-up and is dropped."""
     out: dict[str, Any] = {}
     for case in CASES:
-        times, ratios = [], []
+        times, ratios, cpus, cpu_ratios = [], [], [], []
         for run in range(1, runs + 1):
             times.append(_slowest(per_rank, run, case))
             ratios.append(times[-1] / _slowest(per_rank, run, "same"))
+            cpus.append(_cpu(per_rank, run, case))
+            cpu_ratios.append(cpus[-1] / _cpu(per_rank, run, "same"))
         last = [r for rows in per_rank for r in rows if (r["run"], r["case"]) == (runs, case)]
         out[case] = dict(
             median_s=statistics.median(times), min_s=min(times), max_s=max(times),
             ratio_to_same_median=statistics.median(ratios),
             ratio_min=min(ratios), ratio_max=max(ratios),
+            cpu_median_s=statistics.median(cpus),
+            cpu_ratio_to_same_median=statistics.median(cpu_ratios),
             bytes_read=sum(r["read"] for r in last), bytes_needed=sum(r["wanted"] for r in last),
             bytes_from_peers=sum(r["peers"] for r in last),
         )  # fmt: skip

@@ -36,6 +36,7 @@ def _tensors() -> dict[str, torch.Tensor]:
         "b": torch.randn(33, 40, generator=g).to(torch.bfloat16),  # rows split 17 / 16
         "c": torch.randint(-1000, 1000, (10, 12), generator=g, dtype=torch.int64),
         "d": torch.randn(8, 24, 40, generator=g),  # 3-D: rows of 20 of 40 elements
+        "e": torch.randn(12, 768, generator=g),  # half rows of 1.5 KiB: copied overlapping
     }
 
 

@@ -22,7 +22,7 @@ import torch
 from ..layouts.boxes import row_major_strides
 from ..planning.exchange_plan import Unit, flat_span
 from ..planning.load_plan import ReadItem
-from .memcpy import copy_rows, host_rows
+from .memcpy import copy_host_rows, copy_rows, host_rows
 from .read import ChunkRef, check_segments
 
 
@@ -110,7 +110,7 @@ def verify_and_copy(
             done += segment
         c, pair = copies[i], rows[i]
         if pair is not None:  # row views made once per part, not once per block
-            np.copyto(pair[0][k:stop], pair[1][k:stop])
+            copy_host_rows(pair[0][k:stop], pair[1][k:stop])
         else:
             copy_rows(c.dst[k:stop] if c.step else c.dst, c.src[k:stop] if c.step else c.src)
     while done < size:

@@ -35,7 +35,7 @@ from ..dist import Comm, RankFailure, failure_of
 from ..planning.exchange_plan import ExchangePlan, Need, RankNeeds, Unit
 from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
-from .read import ChunkRef, is_direct, local_read_bytes, read_chunk_bytes
+from .read_chunks import ChunkRef, is_direct, local_read_bytes, read_chunk_bytes
 from .unit_copy import copy_parts
 
 SHM_DIR = "/dev/shm"

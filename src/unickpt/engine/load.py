@@ -37,7 +37,7 @@ from .commit import read_metadata
 from .exchange import ExchangeStats, rank_needs, run_exchange
 from .indexes import SavedChunks
 from .mapped import run_mapped_exchange
-from .read import aligned_piece_bytes, execute_reads
+from .read_chunks import aligned_piece_bytes, execute_reads
 
 log = logging.getLogger(__name__)
 

@@ -6,6 +6,8 @@ import atexit
 import contextlib
 import datetime
 import logging
+import os
+import socket
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -121,6 +123,23 @@ def release_groups() -> None:
 
 
 atexit.register(release_groups)
+
+
+def node_name() -> str:
+    """The node this process runs on: ``UNICKPT_NODE``, else the host name. The one notion of
+    a node (docs/architecture.md, "Nodes"): the memory tier places replicas by it, and ranks
+    of one node share reads through the host."""
+    return os.environ.get("UNICKPT_NODE") or socket.gethostname()
+
+
+def machine_id() -> str | None:
+    """This machine's boot id (None if unreadable): ranks that share memory must be on one
+    machine, whatever their node names say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)

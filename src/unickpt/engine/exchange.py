@@ -22,7 +22,6 @@ import contextlib
 import logging
 import mmap
 import os
-import socket
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
-from ..dist import Comm, RankFailure, failure_of
+from ..dist import Comm, RankFailure, failure_of, machine_id, node_name
 from ..planning.exchange_plan import ExchangePlan, Need, RankNeeds, Unit
 from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
@@ -55,16 +54,19 @@ class ExchangeStats:
 
 
 def host_group(storage: Storage) -> str | None:
-    """Ranks with the same group share buffers: one host (and one ``/dev/shm``), one storage."""
+    """Ranks with the same group share buffers: one node (:func:`unickpt.dist.node_name`) on one
+    machine (its boot id and ``/dev/shm``), one storage. Two nodes named apart on one machine
+    share nothing through it."""
+    machine = machine_id()
     try:
         st = os.stat(SHM_DIR)
         if not os.access(SHM_DIR, os.W_OK):
             return None
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
     except OSError:
         return None
-    return f"{socket.gethostname()}|{boot}|{st.st_dev}:{st.st_ino}|{storage.location}"
+    if machine is None:
+        return None
+    return f"{node_name()}|{machine}|{st.st_dev}:{st.st_ino}|{storage.location}"
 
 
 def rank_needs(

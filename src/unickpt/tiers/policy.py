@@ -27,7 +27,7 @@ from typing import Any
 
 from .. import api
 from ..config import Config
-from ..dist import run_step
+from ..dist import node_name, run_step
 from ..engine.futures import SaveFuture
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..layouts.rules import LayoutMap
@@ -35,7 +35,7 @@ from ..root import Root, RootIdentity
 from ..storage.base import Storage
 from .group import TierGroup
 from .memory import MemoryStore, MemoryTier, folder_errors
-from .nodes import Nodes, node_name
+from .nodes import Nodes
 from .persist import persist
 from .replicate import Committed, replicate, share_commit
 from .restore import choose, fetch, survey

@@ -22,7 +22,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import api
@@ -306,7 +306,8 @@ class TierPolicy:
                         state,
                         group=self.settings.group,
                         strict=strict,
-                        config=self.settings.config,
+                        # each node reads its own copy: nothing to share across nodes
+                        config=replace(self.settings.config, share_across_nodes=False),
                         layout=self.settings.layout,
                     )
                 finally:

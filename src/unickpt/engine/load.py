@@ -150,7 +150,8 @@ def load(
     _, offers = run_step(comm, "planning the load", prepare)
     sharing = any(o is not None and o.needs for o in offers)  # the same on every rank
     across = any(o is not None and o.source is not None for o in offers)
-    if sharing and (across or not storage.maps_files):
+    apart = sharing and (across or not storage.maps_files)  # planned in a step of its own
+    if apart:
         # The exchanges over the process group and through shared memory run collectives: a
         # rank failing to plan them must fail before any rank enters them. Mapped files share
         # on a host without one, so they alone are planned within the load's own step (one
@@ -163,7 +164,7 @@ def load(
         run_step(comm, "planning the load", share)
 
     def place() -> tuple[LoadReport | None, None]:
-        if sharing and not (across or not storage.maps_files):
+        if sharing and not apart:
             plan.sharing = _plan_sharing(storage, plan, offers, config, comm.rank)
         with torch.no_grad():
             shared = _exchange(comm, storage, plan, config)

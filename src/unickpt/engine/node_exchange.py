@@ -1,18 +1,21 @@
 """Read once across nodes: each fetch read by one rank, sent over the process group to the others.
 
 The plan (:mod:`unickpt.planning.node_plan`) names, for every byte range that ranks of several
-nodes load, the rank that reads it (its *owner*) and the ranks that receive it. Every rank runs
-the same steps (the plan's rounds, plus one). In step ``k`` a rank reads the fetches it owns in
-round ``k`` from storage, while the fetches of round ``k - 1`` move: owners send, receivers
-receive (gloo point-to-point messages on the load's process group, one per fetch and
-receiver), each received fetch placed as soon as it is there; then all ranks gather whether the
-step failed. A fetch is sent only after the gather that follows its read, so a rank that fails
-to read stops every rank before anything of that round moves: the ranks that failed raise, the
-others return None, and the caller's step raises the failing ranks' errors on every rank.
+nodes load, the rank that reads it (its *owner*) and the ranks that receive it, in rounds. Every
+rank runs every round, then all ranks gather whether it failed. Within a round nothing waits for
+another rank's progress: each rank posts the receives of the round's fetches it needs (gloo
+point-to-point messages on the load's process group: the fetch's bytes, then a status byte),
+reads the fetches it owns on its I/O threads and sends each as soon as it is read and verified,
+then places what it received as it arrives. A fetch that its owner could not read (or found
+damaged) is sent all the same, with a failed status: its receivers leave it, the owner raises at
+the round's gather, and every rank stops there (the ranks that failed raise, the others return
+None, and the caller's step raises the failing ranks' errors on every rank). The buffers of the
+next round are made before that gather, so a rank that cannot make them stops every rank before
+anything of the round moves.
 
 Every rank verifies what it uses: the owner the fetch it read, each receiver the fetch it
-received, against the checksums of the chunk's index it read itself (damage found anywhere
-fails the load on every rank, at the next gather). A fetch of one whole chunk that lands in
+received, against the checksums of the chunk's index it read itself (damage a receiver finds
+fails the load on every rank at the round's gather). A fetch of one whole chunk that lands in
 contiguous CPU memory is read (owner) or received (receiver) straight into the destination and
 verified there; any other goes through a buffer, from which each rank verifies and copies its
 parts (:mod:`unickpt.engine.unit_copy`), or decodes it first when the chunk is compressed.
@@ -24,8 +27,7 @@ twice the plan's round bytes, unless one fetch is larger); none for fetches stra
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
 import torch
 
@@ -56,21 +58,21 @@ def run_node_exchange(
     """Fill this rank's items the plan serves (``needed[i]`` for need ``i``); None when another
     rank failed (that rank raises)."""
     me = comm.rank
-    tags = {id(f): i for i, f in enumerate(plan.fetches)}
     rounds: dict[int, list[Fetch]] = {}
     for f in plan.of(me):
         rounds.setdefault(f.round, []).append(f)
-    run = _Run(comm, storage, needed, verify, segment, tags)
+    run = _Run(comm, storage, needed, verify, segment, plan)
     totals = [0, 0, 0]
+    targets: dict[int, torch.Tensor] = {}
     with ThreadPoolExecutor(config.io_threads, thread_name_prefix="unickpt-fetch") as pool:
         for step in range(plan.rounds + 1):
             failure: RankFailure | None = None
             caught: BaseException | None = None
             try:
-                moving = rounds.get(step - 1, [])
-                reading = [f for f in rounds.get(step, []) if f.owner == me]
-                for counts in run.step(pool, moving, reading):
-                    totals = [a + b for a, b in zip(totals, counts)]
+                if step:  # round step - 1, its buffers made before the last gather
+                    for counts in run.round(pool, rounds.get(step - 1, []), targets):
+                        totals = [a + b for a, b in zip(totals, counts)]
+                targets = {id(f): run.target(f) for f in rounds.get(step, [])}
             except Exception as e:  # noqa: BLE001 - every failure is reported to every rank
                 failure, caught = failure_of(me, e), e
             gathered = comm.all_gather(failure)
@@ -82,7 +84,7 @@ def run_node_exchange(
 
 
 class _Run:
-    """One rank's part of the exchange: what it read and still has to send, by fetch."""
+    """One rank's part of the exchange."""
 
     def __init__(
         self,
@@ -91,48 +93,52 @@ class _Run:
         needed: Sequence[ReadItem],
         verify: bool,
         segment: int,
-        tags: dict[int, int],
+        plan: NodePlan,
     ) -> None:
         self.comm = comm
         self.storage = storage
         self.needed = needed
         self.verify = verify
         self.segment = segment
-        self.tags = tags
-        self.held: dict[int, torch.Tensor] = {}  # fetches read here, until sent
+        self.tags = {id(f): 2 * i for i, f in enumerate(plan.fetches)}  # bytes; status: + 1
 
-    def step(
-        self, pool: ThreadPoolExecutor, moving: list[Fetch], reading: list[Fetch]
+    def round(
+        self, pool: ThreadPoolExecutor, fetches: list[Fetch], targets: dict[int, torch.Tensor]
     ) -> list[Counts]:
-        """Move ``moving`` (send what this rank read, receive the rest and place it) while
-        reading ``reading``; every started transfer and task is waited for, then the first
-        error is raised."""
-        me = self.comm.rank
+        """Receive, read, send and place this rank's fetches of one round (their bytes land in
+        ``targets``); every started transfer and task is waited for, then the first error is
+        raised. Only this thread calls the process group."""
+        me, comm = self.comm.rank, self.comm
         errors: list[BaseException] = []
-        tasks: list[Future[Counts]] = [pool.submit(self._read, f) for f in reading]
-        sends: list[tuple[Any, Fetch]] = []
-        receives: list[tuple[Any, Fetch, torch.Tensor]] = []
-        try:
-            for f in moving:
+        receives = []
+        for f in fetches:
+            if f.owner != me:
+                status = torch.zeros(1, dtype=torch.uint8)
                 tag = self.tags[id(f)]
-                if f.owner == me:
-                    data = self.held.pop(id(f))
-                    for r in f.receivers:
-                        sends.append((self.comm.isend(data, r, tag), f))
-                else:
-                    into = self._target(f)
-                    receives.append((self.comm.irecv(into, f.owner, tag), f, into))
-        except Exception as e:  # noqa: BLE001 - the transfers started are still waited for
-            errors.append(e)
-        for work, f, into in receives:
+                data = comm.irecv(targets[id(f)], f.owner, tag)
+                receives.append((f, data, status, comm.irecv(status, f.owner, tag + 1)))
+        reads = {pool.submit(self._read, f, targets[id(f)]): f for f in fetches if f.owner == me}
+        tasks: list[Future[Counts]] = []
+        sends = []
+        for done in as_completed(reads):
+            f = reads[done]
+            ok = done.exception() is None
+            tasks.append(done)
+            status = torch.tensor([1 if ok else 0], dtype=torch.uint8)
+            for r in f.receivers:  # sent even when the read failed: the receivers wait for it
+                tag = self.tags[id(f)]
+                sends += [comm.isend(targets[id(f)], r, tag), comm.isend(status, r, tag + 1)]
+        for f, data, status, flag in receives:
             try:
-                self.comm.wait(work, "receive")
-                tasks.append(pool.submit(self._place, f, into, True))
+                comm.wait(data, "receive")
+                comm.wait(flag, "receive")
+                if status.item():  # else its owner failed, and says so at the gather
+                    tasks.append(pool.submit(self._place, f, targets[id(f)], True))
             except Exception as e:  # noqa: BLE001 - raised below, after the others
                 errors.append(e)
-        for work, _ in sends:
+        for work in sends:
             try:
-                self.comm.wait(work, "send")
+                comm.wait(work, "send")
             except Exception as e:  # noqa: BLE001 - raised below, after the others
                 errors.append(e)
         counts = []
@@ -145,13 +151,10 @@ class _Run:
             raise errors[0]
         return counts
 
-    def _read(self, f: Fetch) -> Counts:
-        """Read a fetch this rank owns, keep it to send, verify and place this rank's parts."""
-        into = self._target(f)
+    def _read(self, f: Fetch, into: torch.Tensor) -> Counts:
+        """Read a fetch this rank owns into ``into``, verify it and place this rank's parts."""
         start, stop = self._span(f)
         self.storage.read_into(f.file, start, buffer_of(into))
-        if f.receivers:
-            self.held[id(f)] = into
         _, placed, _ = self._place(f, into, False)
         return stop - start, placed, 0
 
@@ -163,7 +166,7 @@ class _Run:
         lo, hi = packed_span(u.chunk, u.lo, u.hi, self.segment)
         return u.chunk.byte_offset + lo, u.chunk.byte_offset + hi
 
-    def _target(self, f: Fetch) -> torch.Tensor:
+    def target(self, f: Fetch) -> torch.Tensor:
         """Where the fetch's bytes land on this rank: the destination itself for one whole
         chunk into contiguous CPU memory, else a buffer."""
         item = self._direct(f)

@@ -20,7 +20,7 @@ plan from them (a pure function, no further exchange):
   needing part of it receives it.
 - Fetches are cut into rounds, in file order: a rank's bytes of one round (read or received)
   stay within ``round_bytes`` unless one fetch alone is larger, which bounds the bytes in
-  flight; the exchange reads round ``k`` while it sends round ``k - 1``.
+  flight; the exchange reads and moves one round's fetches together, round after round.
 
 A compressed chunk's unit is fetched alone: what moves is its stored segments (sizes known to
 the ranks that read its index), planned by their raw size.

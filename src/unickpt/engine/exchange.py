@@ -126,10 +126,8 @@ def _needs(
         host = not direct and c.compression is None and cost > nbytes
         if nbytes and (every or host):
             packed = c.compression is not None
-            needs.append(
-                Need(item.key, item.file, c.byte_offset, item.region, cost, c.box, c.nbytes,
-                     direct and not packed, packed, host)
-            )  # fmt: skip
+            where = (item.key, item.file, c.byte_offset, item.region, cost, c.box, c.nbytes)
+            needs.append(Need(*where, direct and not packed, packed, host))
             needed.append(item)
     return needs, needed
 

@@ -124,7 +124,7 @@ def plan_exchange(
     Only needs marked ``host`` count, less those ``served`` already (indices per rank)."""
     units: list[Unit] = []
     load: dict[int, int] = {}
-    cuts: dict[tuple[object, ...], list[tuple[int, int, tuple[tuple[int, Box], ...]]]] = {}
+    cuts: dict[tuple[object, ...], Cut] = {}
     done = served or {}
     for ranks in _groups(offers).values():
         by_chunk = by_chunk_of(offers, ranks, lambda r, i, n: n.host and i not in done.get(r, ()))
@@ -136,7 +136,7 @@ def plan_exchange(
                 continue
             for lo, hi, where in cut:
                 parts = tuple(Part(needs[k][0], needs[k][1], box) for k, box in where)
-                owner = owner_of(parts, load)
+                owner = _owner(parts, load)
                 load[owner] = load.get(owner, 0) + hi - lo
                 units.append(Unit(key, file, chunk, size, lo, hi, owner, 0, 0, parts))
     return _in_rounds(units, round_bytes, offers)
@@ -254,7 +254,7 @@ def _up(n: int, multiple: int) -> int:
     return math.ceil(n / multiple) * multiple
 
 
-def owner_of(parts: tuple[Part, ...], load: dict[int, int]) -> int:
+def _owner(parts: tuple[Part, ...], load: dict[int, int]) -> int:
     """The least loaded rank that needs part of the unit; among equals, the one needing most."""
     wanted: dict[int, int] = {}
     for p in parts:

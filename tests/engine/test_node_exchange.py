@@ -130,6 +130,8 @@ def _loads(rank: int, world: int, root: str) -> dict[str, Any]:
     dist.barrier()
     _nodes("abcd")
     out["on"] = _plain(plain, SMALL)
+    # Ranks configured apart (another read_piece_bytes on rank 0) still plan alike.
+    out["apart"] = _plain(plain, get_config(segment_bytes=SEG) if rank == 0 else SMALL)
     out["default"] = _plain(plain, get_config())
     out["off"] = _plain(plain, OFF)
     out["reshard"] = _resharded(sharded, SMALL)
@@ -185,11 +187,11 @@ def test_ranks_of_several_nodes_fetch_each_byte_once(tmp_path: Path) -> None:
     def column(name: str, i: int) -> list[Any]:
         return [r[name][i] for r in results]
 
-    for name in ("on", "default", "compressed", "safetensors", "2x2", "one node"):
+    for name in ("on", "apart", "default", "compressed", "safetensors", "2x2", "one node"):
         assert all(column(name, 0)), f"{name}: values differ"
         assert column(name, 3) == [total] * WORLD, name
     # Four nodes: every byte read once, by one rank, and received by the three others.
-    for name in ("on", "default", "safetensors", "2x2"):
+    for name in ("on", "apart", "default", "safetensors", "2x2"):
         assert sum(column(name, 1)) == total, name
         assert sum(column(name, 2)) == 3 * total, name
     assert all(0 < n < total for n in column("on", 1)), "the reads spread over the nodes"

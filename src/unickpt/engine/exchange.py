@@ -91,6 +91,7 @@ def rank_needs(
     segment: int,
     world_size: int,
     across: bool = False,
+    piece: int = 0,
 ) -> tuple[RankNeeds, list[ReadItem]]:
     """What this rank reports for the plans of shared reads (need ``i`` is item ``i`` of the
     returned list): with ``across`` (ranks of other nodes read the same storage) every item,
@@ -98,7 +99,7 @@ def rank_needs(
     read more bytes for than it needs, for the host's exchange. Every rank receives every
     rank's needs, so a rank whose needs times the world size exceed ``MAX_GATHERED_NEEDS``
     reports fewer: only the host's, or none (large worlds, until needs are gathered per
-    host)."""
+    host). ``piece``: this rank's ``read_piece_bytes``, reported with them."""
     node, source = node_of_reads(storage)
     if not across:
         source = None
@@ -109,7 +110,7 @@ def rank_needs(
     if len(needs) * world_size > MAX_GATHERED_NEEDS:
         return RankNeeds(None, "", ()), []
     token = uuid.uuid4().hex
-    return RankNeeds(host_group(storage), token, tuple(needs), node, source), needed
+    return RankNeeds(host_group(storage), token, tuple(needs), node, source, piece), needed
 
 
 def _needs(

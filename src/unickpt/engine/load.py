@@ -142,8 +142,9 @@ def load(
         if comm.world_size > 1 and config.share_reads:
             seg = plan.meta.segment_bytes
             across = config.share_across_nodes and across_nodes(places, comm.rank)
+            piece = config.read_piece_bytes
             needs, plan.needed = rank_needs(
-                storage, plan.reads, config.verify, seg, comm.world_size, across
+                storage, plan.reads, config.verify, seg, comm.world_size, across, piece
             )
         return None, needs
 
@@ -219,9 +220,10 @@ def _plan_sharing(
     seg = plan.meta.segment_bytes
     tensors, files = plan.meta.tensors, plan.meta.files
     served: dict[int, frozenset[int]] = {}
-    if any(o is not None and o.source is not None for o in offers):
-        unit = aligned_piece_bytes(config.read_piece_bytes // _NODE_UNIT_SHARE, seg)
-        rounds = max(unit, config.read_piece_bytes // _NODE_ROUND_SHARE)
+    pieces = [o.piece for o in offers if o is not None and o.source is not None]
+    if pieces:  # the largest piece any rank reported: every rank plans with the same
+        unit = aligned_piece_bytes(max(pieces) // _NODE_UNIT_SHARE, seg)
+        rounds = max(unit, max(pieces) // _NODE_ROUND_SHARE)
         plan.nodes = plan_node_reads(offers, tensors, files, seg, unit, rounds)
         plan.nodes.taken(rank)  # raises here, within a step, should this rank lack a chunk
         served = plan.nodes.served

@@ -50,13 +50,16 @@ class Need:
 @dataclass(frozen=True)
 class RankNeeds:
     """What one rank reports: its host group (None: shares nothing with its host), its needs,
-    its node and the storage it reads (``source``; None: shares nothing across nodes)."""
+    its node and the storage it reads (``source``; None: shares nothing across nodes), and its
+    ``read_piece_bytes`` (``piece``: the plan across nodes takes the largest of them, so ranks
+    configured apart still plan alike)."""
 
     group: str | None
     token: str
     needs: tuple[Need, ...]
     node: str = ""
     source: str | None = None
+    piece: int = 0
 
 
 @dataclass(frozen=True)

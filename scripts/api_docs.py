@@ -31,7 +31,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("Saving and loading", ["save", "async_save", "load", "wait_pending"]),
     (
         "Futures and reports",
-        ["SaveFuture", "unickpt.engine.saver:SaveReport", "unickpt.engine.loader:LoadReport"],
+        ["SaveFuture", "unickpt.engine.saver:SaveReport", "unickpt.engine.load:LoadReport"],
     ),
     ("Training loops", ["Checkpointer", "RNGState", "MemoryTier"]),
     (

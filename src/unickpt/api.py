@@ -26,8 +26,8 @@ from .engine.compress import check_compress
 from .engine.futures import SaveFuture
 from .engine.hold import hold_steps
 from .engine.incremental import IncrementalSave
-from .engine.loader import LoadReport
-from .engine.loader import load as _load
+from .engine.load import LoadReport
+from .engine.load import load as _load
 from .engine.references import resolving
 from .engine.staging import ARENA, snapshot, stream_marker
 from .engine.write import ItemSource

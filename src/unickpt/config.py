@@ -32,6 +32,9 @@ class Config:
     """Check every chunk's checksums on load."""
     share_reads: bool = True
     """Ranks on one host read each saved chunk once and share it (resharded loads)."""
+    share_across_nodes: bool = True
+    """Bytes that ranks of several nodes load (replicas) are fetched from storage by one rank and
+    sent to the others over the process group; off: each node reads them."""
     collective_timeout_s: float = 1800.0
     """How long a rank waits for the others in a collective before failing."""
 

@@ -6,6 +6,8 @@ import atexit
 import contextlib
 import datetime
 import logging
+import os
+import socket
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -123,6 +125,23 @@ def release_groups() -> None:
 atexit.register(release_groups)
 
 
+def node_name() -> str:
+    """The node this process runs on: ``UNICKPT_NODE``, else the host name. The one notion of
+    a node (docs/architecture.md, "Nodes"): the memory tier places replicas by it, and ranks
+    of one node share reads through the host; ranks of different nodes, over the group."""
+    return os.environ.get("UNICKPT_NODE") or socket.gethostname()
+
+
+def machine_id() -> str | None:
+    """This machine's boot id (None if unreadable): ranks that share memory must be on one
+    machine, whatever their node names say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 @dataclass(frozen=True)
 class RankFailure:
     """What one rank reports when its part of a step failed."""
@@ -201,6 +220,23 @@ class Comm:
         with self._peers_lost("all_reduce"):
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._pg)
         return t.numpy()
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        """Start sending the CPU tensor ``tensor`` to rank ``dst`` of the group (received by
+        an :meth:`irecv` with the same ``tag``); finish it with :meth:`wait`."""
+        with self._peers_lost("send"):
+            return dist.isend(tensor, self._global_ranks[dst], group=self._pg, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+        """Start receiving into the CPU tensor ``tensor`` what rank ``src`` of the group sends
+        with ``tag``; finish it with :meth:`wait`."""
+        with self._peers_lost("receive"):
+            return dist.irecv(tensor, self._global_ranks[src], group=self._pg, tag=tag)
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for a send or receive started by :meth:`isend` or :meth:`irecv`."""
+        with self._peers_lost(what):
+            work.wait()
 
     def barrier(self) -> None:
         if self._pg is not None:

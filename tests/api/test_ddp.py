@@ -43,7 +43,7 @@ def _load_plain(rank: int, world: int, path: str) -> dict[str, list[float]]:
 def test_ddp_to_plain(tmp_path: Path) -> None:
     path = str(tmp_path / "ddp")
     saved = run_ranks(2, _train_and_save, path)[0]
-    from unickpt.engine.reader import CheckpointReader
+    from unickpt.engine.tensor_reader import CheckpointReader
 
     names = CheckpointReader(path).keys()
     assert "model.0.weight" in names

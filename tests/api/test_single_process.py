@@ -214,7 +214,7 @@ def test_optimizer_state_is_keyed_by_parameter_name(tmp_path: Path) -> None:
     model(torch.ones(1, 2)).sum().backward()
     opt.step()
     unickpt.save(tmp_path / "c", {"model": model, "optim": opt})
-    from unickpt.engine.reader import CheckpointReader
+    from unickpt.engine.tensor_reader import CheckpointReader
 
     keys = CheckpointReader(tmp_path / "c").keys()
     assert "optim.state.0.weight.exp_avg" in keys

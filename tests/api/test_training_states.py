@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import unickpt
-from unickpt.engine.reader import CheckpointReader
+from unickpt.engine.tensor_reader import CheckpointReader
 
 
 class TiedLM(nn.Module):

@@ -12,7 +12,7 @@ import torch
 import unickpt
 from tests.cli.forked_cli import run_cli
 from unickpt.cli.main import main
-from unickpt.engine.reader import CheckpointReader
+from unickpt.engine.tensor_reader import CheckpointReader
 
 from ..tools.helpers import assert_bitwise, make_model, save_sample
 

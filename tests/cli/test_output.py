@@ -14,7 +14,7 @@ import torch
 
 import unickpt
 from unickpt.cli.main import main
-from unickpt.engine.reader import CheckpointReader
+from unickpt.engine.tensor_reader import CheckpointReader
 
 from ..tools.helpers import make_tied_model, save_sample
 from ..tools.test_inspect import _titan_like

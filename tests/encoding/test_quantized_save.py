@@ -17,7 +17,7 @@ from tests.integrity._helpers import metadata_path, read_metadata, repin
 from unickpt.checkpointer import step_name
 from unickpt.cli.main import main
 from unickpt.encoding.rowwise import dequantize_rows, quantize_rows
-from unickpt.engine.reader import CheckpointReader
+from unickpt.engine.tensor_reader import CheckpointReader
 from unickpt.format.codec import decode_metadata, encode_metadata
 from unickpt.layouts.boxes import Box
 from unickpt.layouts.leaves import ShardedTensor

@@ -20,7 +20,7 @@ from unickpt.engine import exchange
 from unickpt.engine.commit import read_checkpoint
 from unickpt.engine.exchange import rank_needs, run_exchange
 from unickpt.engine.mapped import run_mapped_exchange
-from unickpt.engine.read import execute_reads
+from unickpt.engine.read_chunks import execute_reads
 from unickpt.layouts.boxes import Box
 from unickpt.planning.exchange_plan import ExchangePlan, RankNeeds, plan_exchange
 from unickpt.planning.load_plan import ReadItem, plan_reads

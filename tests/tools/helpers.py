@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import unickpt
-from unickpt.engine.reader import CheckpointReader
+from unickpt.engine.tensor_reader import CheckpointReader
 from unickpt.tools import inspect_checkpoint
 from unickpt.tools.selection import nest_top_level
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from unickpt.engine.reader import CheckpointReader
+from unickpt.engine.tensor_reader import CheckpointReader
 from unickpt.errors import CheckpointNotFoundError
 from unickpt.format.metadata import COMMIT_FILE
 from unickpt.tools import inspect_checkpoint, verify_checkpoint

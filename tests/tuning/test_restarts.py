@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import unickpt
-from unickpt.engine.reader import CheckpointReader
+from unickpt.engine.tensor_reader import CheckpointReader
 from unickpt.storage import open_storage
 from unickpt.tuning.restarts import (
     STARTS_FILE,

@@ -236,13 +236,39 @@ def read_packed(
     """Raw bytes ``[start, start + len(out))`` of compressed ``chunk`` into ``out``: one read
     of the stored segments that hold them, each checked against its checksum (``verify``)
     before it is decoded."""
+    lo, hi = packed_span(chunk, start, start + len(out), segment)
+    stored = np.empty(hi - lo, dtype=np.uint8)
+    storage.read_into(file, chunk.byte_offset + lo, memoryview(stored))  # type: ignore[arg-type]
+    unpack_checked(stored, file, key, chunk, start, out, verify, segment)
+
+
+def packed_span(chunk: ChunkMeta, start: int, stop: int, segment: int) -> tuple[int, int]:
+    """Bytes ``[lo, hi)`` of compressed ``chunk`` as stored: the stored segments that hold its
+    raw bytes ``[start, stop)``."""
+    assert chunk.compression is not None
+    segs = segment_range(start, stop, segment)
+    offsets = stored_offsets(chunk.compression)
+    return offsets[segs.start], offsets[segs.stop]
+
+
+def unpack_checked(
+    stored: np.ndarray,
+    file: str,
+    key: str,
+    chunk: ChunkMeta,
+    start: int,
+    out: np.ndarray,
+    verify: bool,
+    segment: int,
+) -> None:
+    """Raw bytes ``[start, start + len(out))`` of compressed ``chunk`` into ``out`` from
+    ``stored``, its stored segments that hold them (:func:`packed_span`), each checked against
+    its checksum (``verify``) before it is decoded."""
     c = chunk.compression
     assert c is not None
     segs = segment_range(start, start + len(out), segment)
     offsets = stored_offsets(c)
-    lo, hi = offsets[segs.start], offsets[segs.stop]
-    stored = np.empty(hi - lo, dtype=np.uint8)
-    storage.read_into(file, chunk.byte_offset + lo, memoryview(stored))  # type: ignore[arg-type]
+    lo = offsets[segs.start]
     if verify:
         for i in segs:
             found = digest(memoryview(stored[offsets[i] - lo : offsets[i + 1] - lo]))  # type: ignore[arg-type]

@@ -22,7 +22,6 @@ import contextlib
 import logging
 import mmap
 import os
-import socket
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,11 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
-from ..dist import Comm, RankFailure, failure_of
+from ..dist import Comm, RankFailure, failure_of, machine_id, node_name
 from ..planning.exchange_plan import ExchangePlan, Need, RankNeeds, Unit
 from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
-from .read import ChunkRef, is_direct, local_read_bytes, read_chunk_bytes
+from .read_chunks import ChunkRef, is_direct, local_read_bytes, read_chunk_bytes
 from .unit_copy import copy_parts
 
 SHM_DIR = "/dev/shm"
@@ -45,49 +44,93 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ExchangeStats:
-    """What the exchange did on this rank. ``shared`` is False when shared memory could not be
-    set up on some rank: then no item was filled and the caller reads every item alone."""
+    """What an exchange did on this rank. ``shared`` is False when shared memory could not be
+    set up on some rank: then no item was filled and the caller reads every item alone.
+    ``bytes_received``: bytes that came over the process group."""
 
     bytes_read: int
     bytes_wanted: int
     bytes_from_peers: int
     shared: bool = True
+    bytes_received: int = 0
 
 
 def host_group(storage: Storage) -> str | None:
-    """Ranks with the same group share buffers: one host (and one ``/dev/shm``), one storage."""
+    """Ranks with the same group share buffers: one node (:func:`unickpt.dist.node_name`) on one
+    machine (its boot id and ``/dev/shm``), one storage. Two nodes named apart on one machine
+    share nothing through it: their ranks exchange over the process group."""
+    machine = machine_id()
     try:
         st = os.stat(SHM_DIR)
         if not os.access(SHM_DIR, os.W_OK):
             return None
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
     except OSError:
         return None
-    return f"{socket.gethostname()}|{boot}|{st.st_dev}:{st.st_ino}|{storage.location}"
+    if machine is None:
+        return None
+    return f"{node_name()}|{machine}|{st.st_dev}:{st.st_ino}|{storage.location}"
+
+
+def node_of_reads(storage: Storage) -> tuple[str, str | None]:
+    """This rank's node (its name and machine) and the storage it reads, as the plan of reads
+    shared across nodes groups ranks: None for files in memory, which no other node sees."""
+    return f"{node_name()}|{machine_id()}", None if storage.in_memory else storage.location
+
+
+def across_nodes(places: Sequence[tuple[str, str | None]], rank: int) -> bool:
+    """Whether ranks of another node read the storage ``rank`` reads (``places``: every rank's
+    :func:`node_of_reads`)."""
+    node, source = places[rank]
+    return source is not None and any(s == source and n != node for n, s in places)
 
 
 def rank_needs(
-    storage: Storage, items: Sequence[ReadItem], verify: bool, segment: int, world_size: int
+    storage: Storage,
+    items: Sequence[ReadItem],
+    verify: bool,
+    segment: int,
+    world_size: int,
+    across: bool = False,
+    piece: int = 0,
 ) -> tuple[RankNeeds, list[ReadItem]]:
-    """The items this rank would read more bytes for than it needs, as the exchange plans them
-    (need ``i`` is item ``i`` of the returned list). Every rank receives every rank's needs, so
-    a rank whose needs times the world size exceed ``MAX_GATHERED_NEEDS`` reports none and reads
-    alone (large worlds, until needs are gathered per host)."""
-    needs, needed = [], []
-    for item in items:
-        if is_direct(item) or item.chunk.compression is not None:  # compressed: read alone
-            continue
-        cost = local_read_bytes(item, verify, segment)
-        if cost > item.region.numel * item.dest.element_size():
-            c = item.chunk
-            needs.append(
-                Need(item.key, item.file, c.byte_offset, item.region, cost, c.box, c.nbytes)
-            )
-            needed.append(item)
+    """What this rank reports for the plans of shared reads (need ``i`` is item ``i`` of the
+    returned list): with ``across`` (ranks of other nodes read the same storage) every item,
+    for :func:`~unickpt.planning.node_plan.plan_node_reads`; otherwise only the items it would
+    read more bytes for than it needs, for the host's exchange. Every rank receives every
+    rank's needs, so a rank whose needs times the world size exceed ``MAX_GATHERED_NEEDS``
+    reports fewer: only the host's, or none (large worlds, until needs are gathered per
+    host). ``piece``: this rank's ``read_piece_bytes``, reported with them."""
+    node, source = node_of_reads(storage)
+    if not across:
+        source = None
+    needs, needed = _needs(items, verify, segment, source is not None)
+    if len(needs) * world_size > MAX_GATHERED_NEEDS and source is not None:
+        source = None
+        needs, needed = _needs(items, verify, segment, False)
     if len(needs) * world_size > MAX_GATHERED_NEEDS:
         return RankNeeds(None, "", ()), []
-    return RankNeeds(host_group(storage), uuid.uuid4().hex, tuple(needs)), needed
+    token = uuid.uuid4().hex
+    return RankNeeds(host_group(storage), token, tuple(needs), node, source, piece), needed
+
+
+def _needs(
+    items: Sequence[ReadItem], verify: bool, segment: int, every: bool
+) -> tuple[list[Need], list[ReadItem]]:
+    """The needs of ``items``: every one with bytes (``every``), else those the host shares
+    (read alone, they would cost more bytes than they hold; compressed ones are read alone)."""
+    needs, needed = [], []
+    for item in items:
+        c = item.chunk
+        nbytes = item.region.numel * item.dest.element_size()
+        direct = is_direct(item)
+        cost = local_read_bytes(item, verify, segment)
+        host = not direct and c.compression is None and cost > nbytes
+        if nbytes and (every or host):
+            packed = c.compression is not None
+            where = (item.key, item.file, c.byte_offset, item.region, cost, c.box, c.nbytes)
+            needs.append(Need(*where, direct and not packed, packed, host))
+            needed.append(item)
+    return needs, needed
 
 
 def run_exchange(

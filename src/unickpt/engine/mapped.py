@@ -33,7 +33,7 @@ from ..planning.load_plan import ReadItem
 from ..storage.base import Storage
 from .exchange import ExchangeStats
 from .file_maps import FileMaps
-from .read import ChunkRef, read_chunk_bytes
+from .read_chunks import ChunkRef, read_chunk_bytes
 from .scratch import Scratch
 from .unit_copy import copy_parts, verify_and_copy
 

@@ -23,7 +23,7 @@ from ..layouts.boxes import row_major_strides
 from ..planning.exchange_plan import Unit, flat_span
 from ..planning.load_plan import ReadItem
 from .memcpy import copy_host_rows, copy_rows, host_rows
-from .read import ChunkRef, check_segments
+from .read_chunks import ChunkRef, check_segments
 
 
 @dataclass(frozen=True)

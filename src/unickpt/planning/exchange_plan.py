@@ -15,7 +15,7 @@ another exchange, and without reading the indexes of chunks only other ranks nee
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..format.dtypes import dtype_from_name, itemsize
@@ -30,7 +30,10 @@ class Need:
     """A part of a saved chunk that one rank needs, and what reading it alone would cost.
 
     The chunk's box and size travel with it, so that a rank plans the units of chunks it does
-    not read itself without reading their indexes (the plan needs only their geometry)."""
+    not read itself without reading their indexes (the plan needs only their geometry).
+    ``direct``: the whole chunk into contiguous CPU memory (its bytes land in place);
+    ``compressed``: the chunk is stored compressed; ``host``: ranks of one host share it
+    (a read alone would cost more bytes than it needs, see :func:`plan_exchange`)."""
 
     key: str
     file: str
@@ -39,15 +42,24 @@ class Need:
     local_bytes: int
     chunk_box: Box
     chunk_nbytes: int
+    direct: bool = False
+    compressed: bool = False
+    host: bool = True
 
 
 @dataclass(frozen=True)
 class RankNeeds:
-    """What one rank reports: its host group (None: shares nothing) and its amplified needs."""
+    """What one rank reports: its host group (None: shares nothing with its host), its needs,
+    its node and the storage it reads (``source``; None: shares nothing across nodes), and its
+    ``read_piece_bytes`` (``piece``: the plan across nodes takes the largest of them, so ranks
+    configured apart still plan alike)."""
 
     group: str | None
     token: str
     needs: tuple[Need, ...]
+    node: str = ""
+    source: str | None = None
+    piece: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,25 +120,21 @@ def plan_exchange(
     segment_bytes: int,
     unit_bytes: int,
     round_bytes: int,
+    served: Mapping[int, frozenset[int]] | None = None,
 ) -> ExchangePlan:
     """Units for every chunk that two or more ranks of one host group need parts of, where
-    reading it once costs fewer bytes than each rank reading its parts alone; owners balanced."""
+    reading it once costs fewer bytes than each rank reading its parts alone; owners balanced.
+    Only needs marked ``host`` count, less those ``served`` already (indices per rank)."""
     units: list[Unit] = []
     load: dict[int, int] = {}
-    cuts: dict[tuple[object, ...], list[tuple[int, int, tuple[tuple[int, Box], ...]]]] = {}
+    cuts: dict[tuple[object, ...], Cut] = {}
+    done = served or {}
     for ranks in _groups(offers).values():
-        for (key, file, _), needs in sorted(_by_chunk(offers, ranks).items()):
+        by_chunk = by_chunk_of(offers, ranks, lambda r, i, n: n.host and i not in done.get(r, ()))
+        for (key, file, _), needs in sorted(by_chunk.items()):
             if len({r for r, _, _ in needs}) < 2:
                 continue
-            meta = tensors[key]
-            chunk = _chunk(meta, files, needs[0][2])
-            size = itemsize(dtype_from_name(meta.dtype))
-            # Chunks of tensors split alike, needed alike (every layer's), are cut alike.
-            same = (chunk.lengths, chunk.offsets, chunk.nbytes, size)
-            name = same + tuple((r, n.region) for r, _, n in needs)
-            cut = cuts.get(name)
-            if cut is None:
-                cut = cuts[name] = _cut(chunk, size, needs, segment_bytes, unit_bytes)
+            chunk, size, cut = cut_chunk(tensors, files, needs, segment_bytes, unit_bytes, cuts)
             if sum(hi - lo for lo, hi, _ in cut) >= sum(n.local_bytes for _, _, n in needs):
                 continue
             for lo, hi, where in cut:
@@ -145,16 +153,47 @@ def _groups(offers: Sequence[RankNeeds | None]) -> dict[str, list[int]]:
     return {g: r for g, r in sorted(groups.items()) if len(r) > 1}
 
 
-def _by_chunk(
-    offers: Sequence[RankNeeds | None], ranks: list[int]
-) -> dict[tuple[str, str, int], list[tuple[int, int, Need]]]:
-    out: dict[tuple[str, str, int], list[tuple[int, int, Need]]] = {}
+NeedOf = tuple[int, int, Need]  # (rank, index of the need in the rank's needs, the need)
+Cut = list[tuple[int, int, tuple[tuple[int, Box], ...]]]
+
+
+def by_chunk_of(
+    offers: Sequence[RankNeeds | None],
+    ranks: Iterable[int],
+    keep: Callable[[int, int, Need], bool],
+) -> dict[tuple[str, str, int], list[NeedOf]]:
+    """The needs of ``ranks`` that ``keep(rank, index, need)`` keeps, by chunk (key, file,
+    offset), each chunk's in rank order."""
+    out: dict[tuple[str, str, int], list[NeedOf]] = {}
     for rank in ranks:
         offer = offers[rank]
         assert offer is not None
         for i, need in enumerate(offer.needs):
-            out.setdefault((need.key, need.file, need.byte_offset), []).append((rank, i, need))
+            if keep(rank, i, need):
+                out.setdefault((need.key, need.file, need.byte_offset), []).append((rank, i, need))
     return out
+
+
+def cut_chunk(
+    tensors: Mapping[str, TensorMeta],
+    files: Sequence[str],
+    needs: list[NeedOf],
+    segment_bytes: int,
+    unit_bytes: int,
+    cuts: dict[tuple[object, ...], Cut],
+) -> tuple[ChunkMeta, int, Cut]:
+    """The chunk that ``needs`` (of one chunk) need parts of, its element size and its units
+    (:func:`_cut`); chunks of tensors split alike, needed alike (every layer's), are cut once
+    (``cuts`` remembers them)."""
+    meta = tensors[needs[0][2].key]
+    chunk = _chunk(meta, files, needs[0][2])
+    size = itemsize(dtype_from_name(meta.dtype))
+    same = (chunk.lengths, chunk.offsets, chunk.nbytes, size)
+    name = same + tuple((r, n.region) for r, _, n in needs)
+    cut = cuts.get(name)
+    if cut is None:
+        cut = cuts[name] = _cut(chunk, size, needs, segment_bytes, unit_bytes)
+    return chunk, size, cut
 
 
 def _chunk(meta: TensorMeta, files: Sequence[str], need: Need) -> ChunkMeta:
@@ -182,13 +221,7 @@ def _span(strides: tuple[int, ...], origin: tuple[int, ...], box: Box) -> tuple[
     return first, last + 1
 
 
-def _cut(
-    chunk: ChunkMeta,
-    size: int,
-    needs: list[tuple[int, int, Need]],
-    segment: int,
-    unit_bytes: int,
-) -> list[tuple[int, int, tuple[tuple[int, Box], ...]]]:
+def _cut(chunk: ChunkMeta, size: int, needs: list[NeedOf], segment: int, unit_bytes: int) -> Cut:
     """The chunk's needed bytes as segment-aligned units, each with the parts ranks need (as
     positions in ``needs`` and boxes)."""
     strides, origin = row_major_strides(chunk.lengths), chunk.offsets

@@ -1,8 +1,9 @@
 """Which ranks share a node, and where each rank's replicas go (GEMINI's group placement).
 
-A node is the set of ranks with the same ``UNICKPT_NODE`` environment value, or the same host
-name when it is unset. Nodes are numbered by their lowest rank. The node's first rank (its
-leader) does the node-wide housekeeping: writing the commit copy, listing, deleting.
+A node is the set of ranks with the same :func:`unickpt.dist.node_name` (``UNICKPT_NODE``, else
+the host name; see docs/architecture.md, "Nodes"). Nodes are numbered by their lowest rank. The
+node's first rank (its leader) does the node-wide housekeeping: writing the commit copy,
+listing, deleting.
 
 Placement for ``m`` copies (the original and ``m - 1`` replicas): the nodes are cut into
 groups of ``m`` consecutive nodes (the remainder joins the last group); within a group of ``g``
@@ -14,14 +15,7 @@ of the receiving node.
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
-
-
-def node_name() -> str:
-    """This process's node: ``UNICKPT_NODE``, else the host name."""
-    return os.environ.get("UNICKPT_NODE") or socket.gethostname()
 
 
 @dataclass(frozen=True)

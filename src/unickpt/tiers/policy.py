@@ -22,12 +22,12 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import api
 from ..config import Config
-from ..dist import run_step
+from ..dist import node_name, run_step
 from ..engine.futures import SaveFuture
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ..layouts.rules import LayoutMap
@@ -35,7 +35,7 @@ from ..root import Root, RootIdentity
 from ..storage.base import Storage
 from .group import TierGroup
 from .memory import MemoryStore, MemoryTier, folder_errors
-from .nodes import Nodes, node_name
+from .nodes import Nodes
 from .persist import persist
 from .replicate import Committed, replicate, share_commit
 from .restore import choose, fetch, survey
@@ -306,7 +306,8 @@ class TierPolicy:
                         state,
                         group=self.settings.group,
                         strict=strict,
-                        config=self.settings.config,
+                        # each node reads its own copy: nothing to share across nodes
+                        config=replace(self.settings.config, share_across_nodes=False),
                         layout=self.settings.layout,
                     )
                 finally:

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from ..dist import run_step
-from ..engine.loader import RankReads
-from ..engine.read import is_direct
+from ..engine.load import RankReads
+from ..engine.read_chunks import is_direct
 from ..errors import CheckpointCorruptError
 from ..format.dtypes import byte_view
 from ..format.metadata import COMMIT_FILE

@@ -15,7 +15,7 @@ from ..layouts.boxes import Box, split_box
 if TYPE_CHECKING:
     import torch
 
-    from ..engine.reader import CheckpointReader
+    from ..engine.tensor_reader import CheckpointReader
 
 MiB = 1 << 20
 DEFAULT_BLOCK_BYTES = 64 * MiB

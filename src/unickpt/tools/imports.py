@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api import save
-from ..engine.reader import CheckpointReader
+from ..engine.tensor_reader import CheckpointReader
 from ..errors import CheckpointError, UnsafeObjectError
 from .progress import ProgressFn
 from .reports import ConvertReport

@@ -29,7 +29,7 @@ from ..storage.base import Storage
 from ..storage.registry import open_storage
 
 if TYPE_CHECKING:
-    from ..engine.reader import CheckpointReader
+    from ..engine.tensor_reader import CheckpointReader
 
 
 class RawReader:
@@ -108,7 +108,7 @@ class RawReader:
     def _decoded(self, key: str, box: Box, size: int) -> np.ndarray:
         """A quantized table's box, decoded by the torch reader."""
         if self._decoder is None:
-            from ..engine.reader import CheckpointReader
+            from ..engine.tensor_reader import CheckpointReader
 
             self._decoder = CheckpointReader(self.storage, verify=self.verify)
         from ..format.dtypes import byte_view

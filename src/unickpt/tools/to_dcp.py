@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from ..engine.reader import CheckpointReader
+from ..engine.tensor_reader import CheckpointReader
 from ..format.dtypes import dtype_from_name
 from ..storage.base import Storage
 from .blocks import tensor_nbytes

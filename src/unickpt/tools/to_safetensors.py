@@ -12,7 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ..engine.reader import CheckpointReader
+from ..engine.tensor_reader import CheckpointReader
 from ..foreign.safetensors_commit import replace_model
 from ..foreign.safetensors_format import (
     DTYPE_NAMES,

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..engine.reader import CheckpointReader
+from ..engine.tensor_reader import CheckpointReader
 from ..format.dtypes import dtype_from_name
 from ..storage.base import Storage
 from .blocks import DEFAULT_BLOCK_BYTES, raw_bytes, stream_tensor

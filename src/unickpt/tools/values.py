@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..engine.reader import CheckpointReader
+from ..engine.tensor_reader import CheckpointReader
 from ..errors import UnsafeObjectError
 from .selection import Selection
 

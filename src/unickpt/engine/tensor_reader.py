@@ -18,7 +18,7 @@ from ..planning.load_plan import ChunkIndex, check_chunks_tile, plan_reads
 from ..storage.base import Storage
 from ..storage.registry import open_storage
 from .commit import read_checkpoint
-from .read import ReadStats, execute_reads
+from .read_chunks import ReadStats, execute_reads
 from .references import resolving
 
 

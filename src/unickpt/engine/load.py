@@ -30,16 +30,22 @@ from ..planning.load_keys import (
     unread_message,
 )
 from ..planning.load_plan import ChunkIndex, ReadItem, plan_reads
+from ..planning.node_plan import NodePlan, plan_node_reads
 from ..planning.per_rank import missing_warning, needs_reshard, reshard
 from ..planning.save_keys import StateKeys, rename_to_saved
 from ..storage.base import Storage
 from .commit import read_metadata
-from .exchange import ExchangeStats, rank_needs, run_exchange
+from .exchange import ExchangeStats, across_nodes, node_of_reads, rank_needs, run_exchange
 from .indexes import SavedChunks
 from .mapped import run_mapped_exchange
-from .read import aligned_piece_bytes, execute_reads
+from .node_exchange import run_node_exchange
+from .read_chunks import aligned_piece_bytes, execute_reads
 
 log = logging.getLogger(__name__)
+# Reads shared across nodes: units of read_piece_bytes / 8 (a whole chunk of up to 8 MiB moves
+# as one message, straight into place), rounds of read_piece_bytes / 2 per rank.
+_NODE_UNIT_SHARE = 8
+_NODE_ROUND_SHARE = 2
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,9 @@ class LoadReport:
     ``bytes_from_peers``: bytes this rank took from buffers other ranks of its host read.
     ``unverified_files``: files this rank read without checksums to verify (a safetensors
     model or a DCP folder carries none).
+    ``bytes_received``: bytes another rank read and sent this rank over the process group
+    (ranks of several nodes loading the same bytes; ``bytes_read`` counts them once, at the
+    rank that read them).
     """
 
     bytes_read: int
@@ -61,6 +70,7 @@ class LoadReport:
     unread_keys: tuple[str, ...] = ()
     bytes_from_peers: int = 0
     unverified_files: tuple[str, ...] = ()
+    bytes_received: int = 0
 
 
 @dataclass
@@ -75,6 +85,7 @@ class _Plan:
     needed: list[ReadItem] = field(default_factory=list)
     decodes: list[DecodeItem] = field(default_factory=list)
     sharing: ExchangePlan | None = None
+    nodes: NodePlan | None = None
 
 
 def load(
@@ -95,7 +106,7 @@ def load(
     reads the metadata (default: a unickpt checkpoint's; a foreign format's translation comes
     with every chunk, checked, and no indexes)."""
 
-    def match() -> tuple[_Plan, None]:
+    def match() -> tuple[_Plan, tuple[str, str | None]]:
         meta = read_meta(storage) if read_meta is not None else read_metadata(storage)[1]
         if meta.pickled_keys and not allow_pickle:
             raise UnsafeObjectError(
@@ -109,9 +120,9 @@ def load(
         found = match_keys(meta, flat, strict)
         _check_per_rank(meta, flat, comm)
         chunks = None if foreign_format(meta) else SavedChunks(storage, meta)
-        return _Plan(meta, flat, found, SavedKeys.of(meta), chunks), None
+        return _Plan(meta, flat, found, SavedKeys.of(meta), chunks), node_of_reads(storage)
 
-    plan, _ = run_step(comm, "planning the load", match)
+    plan, places = run_step(comm, "planning the load", match)
     asked = comm.max_across(plan.saved.asked(plan.flat, plan.match))
 
     def prepare() -> tuple[None, RankNeeds | None]:
@@ -129,17 +140,23 @@ def load(
         _check_files(storage, plan.meta, plan.reads)
         needs: RankNeeds | None = None
         if comm.world_size > 1 and config.share_reads:
+            seg = plan.meta.segment_bytes
+            across = config.share_across_nodes and across_nodes(places, comm.rank)
+            piece = config.read_piece_bytes
             needs, plan.needed = rank_needs(
-                storage, plan.reads, config.verify, plan.meta.segment_bytes, comm.world_size
+                storage, plan.reads, config.verify, seg, comm.world_size, across, piece
             )
         return None, needs
 
     _, offers = run_step(comm, "planning the load", prepare)
     sharing = any(o is not None and o.needs for o in offers)  # the same on every rank
-    if sharing and not storage.maps_files:
-        # The exchange through shared memory runs collectives: a rank failing to plan it must
-        # fail before any rank enters it. Mapped files share without one, so they are planned
-        # within the load's own step (one gather fewer); a failure there is gathered at its end.
+    across = any(o is not None and o.source is not None for o in offers)
+    apart = sharing and (across or not storage.maps_files)  # planned in a step of its own
+    if apart:
+        # The exchanges over the process group and through shared memory run collectives: a
+        # rank failing to plan them must fail before any rank enters them. Mapped files share
+        # on a host without one, so they alone are planned within the load's own step (one
+        # gather fewer); a failure there is gathered at its end.
 
         def share() -> tuple[None, None]:
             plan.sharing = _plan_sharing(storage, plan, offers, config, comm.rank)
@@ -148,7 +165,7 @@ def load(
         run_step(comm, "planning the load", share)
 
     def place() -> tuple[LoadReport | None, None]:
-        if sharing and storage.maps_files:
+        if sharing and not apart:
             plan.sharing = _plan_sharing(storage, plan, offers, config, comm.rank)
         with torch.no_grad():
             shared = _exchange(comm, storage, plan, config)
@@ -170,6 +187,7 @@ def load(
             tuple(plan.unread),
             x.bytes_from_peers,
             tuple(sorted({r.file for r in plan.reads if not r.chunk.checksums})),
+            x.bytes_received,
         ), None
 
     report, _ = run_step(comm, "loading", place)
@@ -195,36 +213,62 @@ def _unit_bytes(storage: Storage, config: Config, segment: int) -> int:
 def _plan_sharing(
     storage: Storage, plan: _Plan, offers: list[RankNeeds | None], config: Config, rank: int
 ) -> ExchangePlan:
-    """The exchange plan of every host group, from every rank's needs (the same on every rank;
-    the chunks only other ranks need are planned from the geometry their needs carry, so no
-    rank reads another rank's indexes)."""
+    """The plans of reads shared across nodes (into ``plan.nodes``) and on each host (returned),
+    from every rank's needs (the same on every rank; the chunks only other ranks need are
+    planned from the geometry their needs carry, so no rank reads another rank's indexes).
+    What the plan across nodes serves, the host's does not."""
     seg = plan.meta.segment_bytes
+    tensors, files = plan.meta.tensors, plan.meta.files
+    served: dict[int, frozenset[int]] = {}
+    pieces = [o.piece for o in offers if o is not None and o.source is not None]
+    if pieces:  # the largest piece any rank reported: every rank plans with the same
+        unit = aligned_piece_bytes(max(pieces) // _NODE_UNIT_SHARE, seg)
+        rounds = max(unit, max(pieces) // _NODE_ROUND_SHARE)
+        plan.nodes = plan_node_reads(offers, tensors, files, seg, unit, rounds)
+        plan.nodes.taken(rank)  # raises here, within a step, should this rank lack a chunk
+        served = plan.nodes.served
     unit = _unit_bytes(storage, config, seg)
-    planned = plan_exchange(
-        offers, plan.meta.tensors, plan.meta.files, seg, unit, unit * config.io_threads
-    )
+    planned = plan_exchange(offers, tensors, files, seg, unit, unit * config.io_threads, served)
     planned.taken(rank)  # raises here, within a step, should this rank lack a chunk it needs
     return planned
 
 
 def _exchange(comm: Comm, storage: Storage, plan: _Plan, config: Config) -> _Shared | None:
-    """Read the chunks that ranks of one host share once, and return what is left to read."""
-    xplan = plan.sharing
-    if xplan is None or not xplan.units:
-        return _Shared(ExchangeStats(0, 0, 0), plan.reads)
+    """Read the chunks that ranks of several nodes, then of one host, share once; what is
+    left to read alone."""
     seg = plan.meta.segment_bytes
-    if storage.maps_files:
-        stats: ExchangeStats | None = run_mapped_exchange(
-            comm.rank, storage, xplan, plan.needed, config, config.verify, seg
-        )
-    else:
-        stats = run_exchange(comm, storage, xplan, plan.needed, config, config.verify, seg)
-    if stats is None:
-        return None
-    if not stats.shared:
-        return _Shared(stats, plan.reads)
-    done = {id(plan.needed[i]) for i in xplan.exchanged(comm.rank)}
-    return _Shared(stats, [r for r in plan.reads if id(r) not in done])
+    done: set[int] = set()
+    totals = ExchangeStats(0, 0, 0)
+    nodes = plan.nodes
+    if nodes is not None and nodes.fetches:
+        got = run_node_exchange(comm, storage, nodes, plan.needed, config, config.verify, seg)
+        if got is None:
+            return None
+        totals = got
+        done = {id(plan.needed[i]) for i in nodes.served.get(comm.rank, ())}
+    xplan = plan.sharing
+    if xplan is not None and xplan.units:
+        if storage.maps_files:
+            stats: ExchangeStats | None = run_mapped_exchange(
+                comm.rank, storage, xplan, plan.needed, config, config.verify, seg
+            )
+        else:
+            stats = run_exchange(comm, storage, xplan, plan.needed, config, config.verify, seg)
+        if stats is None:
+            return None
+        if stats.shared:
+            done |= {id(plan.needed[i]) for i in xplan.exchanged(comm.rank)}
+        totals = _sum(totals, stats)
+    return _Shared(totals, [r for r in plan.reads if id(r) not in done])
+
+
+def _sum(a: ExchangeStats, b: ExchangeStats) -> ExchangeStats:
+    return ExchangeStats(
+        a.bytes_read + b.bytes_read,
+        a.bytes_wanted + b.bytes_wanted,
+        a.bytes_from_peers + b.bytes_from_peers,
+        bytes_received=a.bytes_received + b.bytes_received,
+    )
 
 
 def _check_per_rank(meta: Metadata, flat: Flattened, comm: Comm) -> None:

@@ -13,8 +13,8 @@ import torch
 
 import unickpt
 from unickpt.config import MiB, get_config
-from unickpt.engine.loader import RankReads
-from unickpt.engine.read import BATCH_SPAN_BYTES, SMALL_CHUNK_BYTES, aligned_piece_bytes
+from unickpt.engine.load import RankReads
+from unickpt.engine.read_chunks import BATCH_SPAN_BYTES, SMALL_CHUNK_BYTES, aligned_piece_bytes
 from unickpt.errors import CheckpointCorruptError
 from unickpt.storage import LocalStorage
 from unickpt.storage.local import fs_type

@@ -25,7 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..engine.commit import read_checkpoint
 from ..errors import CheckpointError
+from ..root.names import committed_steps, step_name
 from ..storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -91,9 +93,6 @@ def record_start(root: Storage, now_unix_s: float) -> list[Start]:
 
 def newest_save_unix_s(root: Storage) -> float | None:
     """When the newest committed step at ``root`` was saved; None without one."""
-    from ..checkpointer import committed_steps, step_name  # the Checkpointer imports this
-    from ..engine.commit import read_checkpoint
-
     try:
         steps = committed_steps(root)
         if not steps:

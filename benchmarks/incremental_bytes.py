@@ -33,7 +33,7 @@ from unickpt.config import get_config
 from unickpt.demo.lora import add_lora
 from unickpt.demo.model import GPT, GPTConfig
 from unickpt.engine.incremental import hash_items
-from unickpt.engine.write import ItemSource
+from unickpt.engine.sources import ItemSource
 
 
 def build(kind: str, d_model: int, layers: int) -> GPT:
@@ -54,7 +54,7 @@ def run(kind: str, incremental: bool, args: argparse.Namespace, root: Path) -> l
     opt = torch.optim.AdamW(trained, lr=1e-4)
     gen = torch.Generator().manual_seed(1)
     written = []
-    with unickpt.Checkpointer(root, incremental=incremental, async_save=False) as ckpt:
+    with unickpt.Checkpointer(root, incremental=incremental, mode="sync") as ckpt:
         for save in range(args.saves):
             for _ in range(args.steps_between):
                 idx = torch.randint(0, 256, (4, 65), generator=gen)
@@ -120,7 +120,7 @@ def embedding_case(args: argparse.Namespace) -> None:
         for name, options in (("full", {}), ("rows", {"row_deltas": ["*"]})):
             incremental = bool(options)
             ckpt = unickpt.Checkpointer(
-                Path(tmp) / name, incremental=incremental, async_save=False, **options
+                Path(tmp) / name, incremental=incremental, mode="sync", **options
             )
             sizes = []
             for save in range(args.saves):

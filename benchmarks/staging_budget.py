@@ -6,7 +6,7 @@ waited for before the next round, outside the timing) against plain iterations j
 
 - ``unickpt`` ``async_save`` with ``staging_bytes`` of 1x (the whole state fits), 1/4 and 1/16
   of a rank's state, the call blocking until the snapshot is done ("call" mode), and the same
-  budgets with ``background_snapshot=True`` (zero-stall: the next optimizer step waits);
+  budgets with ``zero_stall=True`` (zero-stall: the next optimizer step waits);
 - ``dcp`` ``torch.distributed.checkpoint.async_save`` (thread executor, its default stager);
 - ``torchsnapshot`` ``Snapshot.async_take`` with its per-rank memory budget at 1/4 of the state
   (when it is installed; it takes each rank's local shards of the model and the optimizer).
@@ -42,7 +42,7 @@ import unickpt
 from unickpt.bench.config import parse_param_count
 from unickpt.bench.model import TrainState, build_train_state, config_for_params
 from unickpt.bench.stall import plain_iteration_s, slowest, stall_s
-from unickpt.engine.staging import ARENA
+from unickpt.saving.queue import QUEUE
 
 MiB = 1 << 20
 
@@ -81,7 +81,7 @@ def _unickpt(budget: int | None, background: bool) -> Saver:
             state.state(),
             overwrite=True,
             staging_bytes=budget,
-            background_snapshot=background,
+            zero_stall=background,
         )
 
     return save
@@ -145,7 +145,7 @@ def _systems(state_bytes: int, group: Any) -> list[tuple[str, Saver | None]]:
 def _peak_extra(saver: Saver, state: TrainState, path: str, rounds: int) -> float:
     """Collective: the largest rank's resident high-water mark over ``rounds`` saves, each
     waited for at once (no training meanwhile), less its resident memory before the first."""
-    ARENA.release()
+    QUEUE.arena.release()
     gc.collect()
     dist.barrier()
     rss0 = _status("VmRSS")

@@ -2,7 +2,7 @@
 
 Builds the benchmark's GPT with AdamW, sharded with FSDP2 over ``--world`` CPU processes (gloo),
 and alternates, ``--rounds`` times, a plain iteration (forward, backward, step) and one that
-starts with ``async_save(..., background_snapshot=True)``; each save is waited for before the
+starts with ``async_save(..., zero_stall=True)``; each save is waited for before the
 next round, outside the timing. The extra time of a round is its save iteration minus its plain
 iteration, the slowest rank counting (ranks step together). Prints medians over the rounds, and
 the CPU time a save costs a rank (all its threads, from the call until the save is committed,
@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) ->
         c0 = time.process_time()
         t0 = time.perf_counter()
         fut = unickpt.async_save(
-            f"{args.workdir}/r{r}", state.state(), background_snapshot=True, overwrite=True
+            f"{args.workdir}/r{r}", state.state(), zero_stall=True, overwrite=True
         )
         call = time.perf_counter() - t0
         state.forward_backward()

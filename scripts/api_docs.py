@@ -28,10 +28,10 @@ OUT = ROOT / "docs" / "api.md"
 
 # (title, names): a name is an attribute of ``unickpt`` or a dotted path ``module:name``.
 SECTIONS: list[tuple[str, list[str]]] = [
-    ("Saving and loading", ["save", "async_save", "load", "wait_pending"]),
+    ("Saving and loading", ["save", "async_save", "load", "prepare_staging", "wait_pending"]),
     (
         "Futures and reports",
-        ["SaveFuture", "unickpt.engine.saver:SaveReport", "unickpt.engine.load:LoadReport"],
+        ["SaveFuture", "unickpt.engine.futures:SaveReport", "unickpt.engine.load:LoadReport"],
     ),
     ("Training loops", ["Checkpointer", "RNGState", "MemoryTier"]),
     (

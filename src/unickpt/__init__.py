@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
-    from .api import async_save, load, save, wait_pending
+    from .api import async_save, load, prepare_staging, save, wait_pending
     from .checkpointer import Checkpointer
     from .config import Config, get_config
     from .engine.futures import SaveFuture
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "async_save": ".api",
     "load": ".api",
+    "prepare_staging": ".api",
     "save": ".api",
     "wait_pending": ".api",
     "Checkpointer": ".checkpointer",
@@ -116,6 +117,7 @@ __all__ = [
     "get_config",
     "load",
     "padded_vocab",
+    "prepare_staging",
     "replicated",
     "save",
     "wait_pending",

@@ -24,7 +24,7 @@ from .encoding.saving import check_quantize
 from .engine.commit import read_checkpoint
 from .engine.compress import check_compress
 from .engine.futures import SaveFuture
-from .engine.incremental import Basis
+from .engine.incremental import Basis, IncrementalSave
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -36,6 +36,8 @@ from .planning.load_keys import KeyMap
 from .planning.save_keys import StateKeys
 from .root import Root, RootIdentity
 from .root.names import committed_steps, open_checkpoint, step_folders, step_name
+from .saving import pipeline
+from .saving.pipeline import MODES, Save, SaveOptions
 from .storage.base import Storage
 from .storage.registry import open_storage
 from .tuning import IntervalTuner, Tuning
@@ -102,6 +104,13 @@ class Checkpointer:
     or a function from state key to saved key, as for :func:`unickpt.save`) renames the keys
     of every save, and ``load_latest`` reads them back under the state's keys.
 
+    ``mode`` is how each save runs: ``"async"`` (the default: :meth:`save` returns once the
+    state is copied, the write goes on in the background), ``"sync"`` (returns once
+    committed) or ``"zero_stall"`` (returns at once; the copy overlaps the next forward and
+    backward, the next optimizer step waits for it; see :func:`unickpt.async_save`).
+    ``async_save=False`` and ``background_snapshot=True`` are its former spellings
+    (deprecated).
+
     >>> ckpt = unickpt.Checkpointer("runs/gpt", every="auto", max_overhead=0.01)  # doctest: +SKIP
     >>> for step in range(start, steps):  # doctest: +SKIP
     ...     train_step()
@@ -114,8 +123,7 @@ class Checkpointer:
         *,
         keep_last: int | None = None,
         group: Any = None,
-        async_save: bool = True,
-        background_snapshot: bool = False,
+        mode: str = "async",
         config: Config | None = None,
         memory: MemoryTier | None = None,
         incremental: bool = False,
@@ -129,7 +137,10 @@ class Checkpointer:
         staging_bytes: int | None = None,
         layout: LayoutMap | None = None,
         keys: KeyMap | None = None,
+        async_save: bool | None = None,
+        background_snapshot: bool | None = None,
     ) -> None:
+        mode = _mode(mode, async_save, background_snapshot)
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last is {keep_last}; expected None or at least 1.")
         if full_every < 1:
@@ -149,8 +160,7 @@ class Checkpointer:
         self.storage = open_storage(root)
         self.keep_last = keep_last
         self.group = group
-        self.async_save = async_save
-        self.background_snapshot = background_snapshot
+        self.mode = mode
         self.config = config or get_config()
         self.quantize = check_quantize(quantize)
         self.compress = check_compress(compress)  # lossless, per chunk: unickpt.save's
@@ -168,17 +178,7 @@ class Checkpointer:
         if memory is not None:
             from .tiers.policy import SaveSettings, TierPolicy
 
-            settings = SaveSettings(
-                group,
-                self.config,
-                async_save,
-                background_snapshot,
-                self.quantize,
-                keep_last,
-                self.compress,
-                staging_bytes,
-                layout,
-            )
+            settings = SaveSettings(group, self.config, keep_last, layout)
             self._tier = TierPolicy(self._root, memory, settings)
         self._basis = Basis(full_every, row_deltas) if incremental else None
         # -- interval tuner (unickpt.tuning): maybe_save decides when to save --
@@ -218,7 +218,7 @@ class Checkpointer:
         return self._root.list_committed()
 
     def save(self, step: int, state: dict[str, Any]) -> SaveFuture:
-        """Save ``state`` as ``step``: asynchronous unless ``async_save=False``.
+        """Save ``state`` as ``step``, as ``mode`` says (by default asynchronously).
 
         The first save locks the root (:class:`~unickpt.errors.CheckpointLockedError` when
         another job writes into it), writes the root's id when it has none, and removes
@@ -248,50 +248,49 @@ class Checkpointer:
         if self._tier is not None:
             assert self._identity is not None  # written by the line above
             self._tier.bind(self._identity)
-            self._pending = self._tier.save(step, state)
-            return self._pending
-        target = self._root.step(step)
-        inc = None
-        if self._basis is not None:
-            if first:
-                self._seed_basis(self._basis, step)
-            alive = {step_name(s) for s in self._root.committed()}
-            inc = self._basis.next_save(
-                step_name(step), self.config.segment_bytes, alive.__contains__
-            )
-        if not self.async_save:
-            report = api.save(
-                target,
-                state,
-                group=self.group,
-                overwrite=True,
-                config=self.config,
-                incremental=inc,
-                quantize=self.quantize,
-                compress=self.compress,
-                lock=False,
-                layout=self.layout,
-                keys=self.keys,
-            )
-            self._retain(step)
-            return SaveFuture.completed(report)
-        self._pending = api.async_save(
-            target,
-            state,
-            group=self.group,
+            target, on_commit = self._tier.begin_save(step)
+            inc = None
+        else:
+            target, inc = self._root.step(step), self._next_incremental(step, first)
+            on_commit = lambda: self._retain(step)  # noqa: E731
+        options = SaveOptions(
             overwrite=True,
-            background_snapshot=self.background_snapshot,
-            config=self.config,
-            on_commit=lambda: self._retain(step),
-            incremental=inc,
             quantize=self.quantize,
             compress=self.compress,
             lock=False,
-            staging_bytes=self.staging_bytes,
             layout=self.layout,
             keys=self.keys,
+            staging_bytes=self.staging_bytes,
+            incremental=inc,
+            on_commit=on_commit,
         )
+        self._pending = pipeline.run(
+            Save(target, self.group, self.config, options), state, self.mode
+        )
+        if self._tier is not None:
+            self._tier.pending = self._pending
         return self._pending
+
+    def prepare_staging(self, state: dict[str, Any]) -> SaveFuture:
+        """Allocate ahead, in the background, the host memory this Checkpointer's saves of
+        ``state`` copy into (within ``staging_bytes``), so that the first save costs what
+        later ones do; see :func:`unickpt.prepare_staging`. Nothing with ``mode="sync"``.
+
+        >>> ckpt.load_latest(state)  # doctest: +SKIP
+        >>> ckpt.prepare_staging(state)  # doctest: +SKIP
+        """
+        if self.mode == "sync":
+            return SaveFuture.completed(0)
+        return pipeline.prepare_staging(state, self.config, self.staging_bytes, self.layout)
+
+    def _next_incremental(self, step: int, first: bool) -> IncrementalSave | None:
+        """The incremental save of ``step`` (None without ``incremental=True``)."""
+        if self._basis is None:
+            return None
+        if first:
+            self._seed_basis(self._basis, step)
+        alive = {step_name(s) for s in self._root.committed()}
+        return self._basis.next_save(step_name(step), self.config.segment_bytes, alive.__contains__)
 
     def _seed_basis(self, basis: Basis, step: int) -> None:
         """The first incremental save: start from the newest committed step before ``step``
@@ -340,7 +339,7 @@ class Checkpointer:
             tuner.end(step, saved=False)
             return None
         future = self.save(step, state)
-        tuner.end(step, saved=True, done=future.done if self.async_save else None)
+        tuner.end(step, saved=True, done=future.done if self.mode != "sync" else None)
         return future
 
     @property
@@ -483,3 +482,24 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _mode(mode: str, async_save: bool | None, background_snapshot: bool | None) -> str:
+    """``mode``, or what the former flags ``async_save`` and ``background_snapshot`` said."""
+    if mode not in MODES:
+        raise CheckpointError(f"mode is {mode!r}; expected one of {', '.join(map(repr, MODES))}.")
+    if async_save is None and background_snapshot is None:
+        return mode
+    old = "sync" if async_save is False else "zero_stall" if background_snapshot else "async"
+    warnings.warn(
+        f"Checkpointer(async_save=..., background_snapshot=...) is deprecated; pass "
+        f"mode={old!r} instead.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if mode != "async" and mode != old:
+        raise CheckpointError(
+            f"mode={mode!r} and the deprecated flags (async_save={async_save}, "
+            f"background_snapshot={background_snapshot}) disagree; pass mode only."
+        )
+    return old

@@ -50,12 +50,12 @@ def test_async_save_holds_values_at_snapshot(tmp_path: Path) -> None:
         assert not torch.equal(model.state_dict()[k], v)
 
 
-def test_background_snapshot_waits_for_next_optimizer_step(tmp_path: Path) -> None:
+def test_zero_stall_waits_for_next_optimizer_step(tmp_path: Path) -> None:
     model, opt = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for i in range(3):
         fut = unickpt.async_save(
-            tmp_path / f"z{i}", {"model": model, "optimizer": opt}, background_snapshot=True
+            tmp_path / f"z{i}", {"model": model, "optimizer": opt}, zero_stall=True
         )
         _train(model, opt)  # forward and backward overlap the snapshot; step() waits for it
         fut.wait()
@@ -65,15 +65,15 @@ def test_background_snapshot_waits_for_next_optimizer_step(tmp_path: Path) -> No
         before = {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def test_background_snapshots_back_to_back_then_several_steps(tmp_path: Path) -> None:
+def test_zero_stall_saves_back_to_back_then_several_steps(tmp_path: Path) -> None:
     """Two saves before a step, then steps: the step waits for both, later steps do not."""
     model, _ = _model()
     opt = torch.optim.AdamW(model.parameters())
     _train(model, opt)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = {"model": model, "optimizer": opt}
-    first = unickpt.async_save(tmp_path / "b0", state, background_snapshot=True)
-    second = unickpt.async_save(tmp_path / "b1", state, background_snapshot=True)
+    first = unickpt.async_save(tmp_path / "b0", state, zero_stall=True)
+    second = unickpt.async_save(tmp_path / "b1", state, zero_stall=True)
     for _ in range(3):
         _train(model, opt)
     assert first.snapshot_done() and second.snapshot_done()
@@ -83,7 +83,7 @@ def test_background_snapshots_back_to_back_then_several_steps(tmp_path: Path) ->
         saved = _saved(tmp_path / name)
         for k, v in before.items():
             assert torch.equal(saved[k], v), (name, k)
-    unickpt.async_save(tmp_path / "b2", state, background_snapshot=True).wait()
+    unickpt.async_save(tmp_path / "b2", state, zero_stall=True).wait()
     assert not opt._optimizer_step_pre_hooks  # one global hook holds every optimizer
     ours = [h for h in _global_optimizer_pre_hooks.values() if h.__module__ == hold.__name__]
     assert len(ours) == 1
@@ -109,7 +109,7 @@ def test_zero_stall_captures_everything_but_tensor_values_in_the_call(tmp_path: 
     loader.position = 7
     state = {"model": model, "optimizer": opt, "loader": loader, "step": 5, "tags": ["a"]}
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    fut = unickpt.async_save(tmp_path / "c", state, background_snapshot=True)
+    fut = unickpt.async_save(tmp_path / "c", state, zero_stall=True)
     state["step"] = 6  # the loop moves on at once; the checkpoint keeps the call's values
     state["tags"].append("b")
     loader.position = 8
@@ -127,9 +127,7 @@ def test_zero_stall_captures_everything_but_tensor_values_in_the_call(tmp_path: 
 def test_zero_stall_planning_error_surfaces_in_wait(tmp_path: Path) -> None:
     model, opt = _model()
     unickpt.save(tmp_path / "c", {"model": model})
-    fut = unickpt.async_save(
-        tmp_path / "c", {"model": model, "optimizer": opt}, background_snapshot=True
-    )
+    fut = unickpt.async_save(tmp_path / "c", {"model": model, "optimizer": opt}, zero_stall=True)
     _train(model, opt)  # the guarded step does not hang on a save that failed
     with pytest.raises(unickpt.CheckpointExistsError, match="already holds a committed"):
         fut.wait()
@@ -137,17 +135,17 @@ def test_zero_stall_planning_error_surfaces_in_wait(tmp_path: Path) -> None:
 
 
 def test_saves_are_ordered_and_reuse_staging(tmp_path: Path) -> None:
-    from unickpt.engine.staging import ARENA
+    from unickpt.saving.queue import QUEUE
 
     model, opt = _model()
     futures = []
     for i in range(4):
         futures.append(unickpt.async_save(tmp_path / f"s{i}", {"model": model, "i": i}))
-        capacity = ARENA.capacity_bytes
+        capacity = QUEUE.arena.capacity_bytes
         _train(model, opt)
     for f in futures:
         f.wait()
-    assert ARENA.capacity_bytes == capacity
+    assert QUEUE.arena.capacity_bytes == capacity
 
 
 class _FailingStorage(LocalStorage):

@@ -12,15 +12,14 @@ import torch
 
 import unickpt
 from tests.distributed import run_ranks
-from unickpt import api
 from unickpt.config import get_config
-from unickpt.engine.staging import StagingArena
+from unickpt.saving.queue import QUEUE, StagingArena
 
 
 class _Unavailable(StagingArena):
     """Staging memory this rank cannot have (a host out of memory)."""
 
-    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
+    def take(self, nbytes: int, pinned: bool, touch: bool = False) -> torch.Tensor:
         raise RuntimeError(f"injected failure: no memory for a snapshot of {nbytes} bytes")
 
 
@@ -52,17 +51,15 @@ def _saves(rank: int, world: int, folder: str) -> list[str]:
         [(False, "arena"), (False, ""), (True, "capture"), (True, "")]
     ):
         if rank == 1 and broken == "arena":
-            api.ARENA = _Unavailable()  # type: ignore[attr-defined]
+            QUEUE.arena = _Unavailable()
         fail[0] = broken == "capture"
         try:
-            fut = unickpt.async_save(
-                f"{folder}/{k}", state, config=config, background_snapshot=zero_stall
-            )
+            fut = unickpt.async_save(f"{folder}/{k}", state, config=config, zero_stall=zero_stall)
             fut.wait()
             outcomes.append("saved")
         except unickpt.CheckpointError as e:
             outcomes.append(str(e))
-        api.ARENA = StagingArena()  # type: ignore[attr-defined]
+        QUEUE.arena = StagingArena()
     return outcomes
 
 

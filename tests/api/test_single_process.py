@@ -306,7 +306,7 @@ def test_keys_rename_every_save_and_the_checkpointer_loads_them_back(tmp_path: P
     drop = {"model.0.weight": "w0", "model.0.bias": "b0", "model.1.weight": "w1", "step": "n"}
     unickpt.save(tmp_path / "s", state, keys=drop)
     unickpt.async_save(tmp_path / "a", state, keys=drop).wait()
-    unickpt.async_save(tmp_path / "z", state, keys=drop, background_snapshot=True).wait()
+    unickpt.async_save(tmp_path / "z", state, keys=drop, zero_stall=True).wait()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     for name in ("s", "a", "z"):
         meta = unickpt.tools.inspect_checkpoint(tmp_path / name)

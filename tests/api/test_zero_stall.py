@@ -17,9 +17,9 @@ from torch import nn
 
 import unickpt
 from tests.distributed import run_ranks, shared_dir
-from unickpt import api
 from unickpt.config import get_config
 from unickpt.engine import hold
+from unickpt.saving.queue import QUEUE
 from unickpt.storage import LocalStorage
 from unickpt.storage.base import HeldLock
 
@@ -104,7 +104,7 @@ def test_buffers_hold_their_values_of_the_call_through_a_forward(tmp_path: Path)
     model, opt = _build(0)
     at_call = _values(model, opt)
     storage = _GatedStorage(tmp_path / "bn")
-    fut = unickpt.async_save(storage, {"model": model, "optimizer": opt}, background_snapshot=True)
+    fut = unickpt.async_save(storage, {"model": model, "optimizer": opt}, zero_stall=True)
     model(torch.randn(16, 8)).square().mean().backward()  # running stats move now
     assert not torch.equal(model[1].running_mean, at_call["model.1.running_mean"])
     storage.gate.set()
@@ -120,9 +120,7 @@ def test_an_optimizer_inside_a_trainer_object_waits_for_the_copy(tmp_path: Path)
     trainer = _Trainer(opt)
     at_call = _values(model, opt)
     storage = _GatedStorage(tmp_path / "trainer")
-    fut = unickpt.async_save(
-        storage, {"model": model, "trainer": trainer}, background_snapshot=True
-    )
+    fut = unickpt.async_save(storage, {"model": model, "trainer": trainer}, zero_stall=True)
     model(torch.randn(16, 8)).square().mean().backward()
     step = _step_in_thread(opt)
     step.join(timeout=0.5)
@@ -142,9 +140,7 @@ def test_an_in_place_update_during_the_copy_fails_the_save(tmp_path: Path) -> No
     at_old = _values(model, opt)
     for name, overwrite in (("new", False), ("old", True)):
         storage = _GatedStorage(tmp_path / name)
-        fut = unickpt.async_save(
-            storage, {"model": model}, background_snapshot=True, overwrite=overwrite
-        )
+        fut = unickpt.async_save(storage, {"model": model}, zero_stall=True, overwrite=overwrite)
         with torch.no_grad():
             model[2].weight.add_(1.0)  # no optimizer: nothing waits for the copy
         storage.gate.set()
@@ -152,7 +148,7 @@ def test_an_in_place_update_during_the_copy_fails_the_save(tmp_path: Path) -> No
             fut.wait()
         assert "'model.2.weight'" in str(info.value)
         assert "version counter went from" in str(info.value)
-        assert "background_snapshot=False" in str(info.value)  # what to do
+        assert "zero_stall=False" in str(info.value)  # what to do
     assert not (tmp_path / "new" / "COMMIT").exists()
     with pytest.raises(unickpt.CheckpointNotFoundError):
         unickpt.load(tmp_path / "new", {"model": _build(1)[0]})
@@ -168,7 +164,7 @@ def test_an_update_through_a_view_or_the_base_is_seen(tmp_path: Path) -> None:
     base = torch.zeros(4, 50_000)
     for i, change in enumerate([lambda: base[1].add_(1), lambda: base.mul_(2)]):
         storage = _GatedStorage(tmp_path / f"v{i}")
-        fut = unickpt.async_save(storage, {"row": base[1]}, background_snapshot=True)
+        fut = unickpt.async_save(storage, {"row": base[1]}, zero_stall=True)
         with torch.no_grad():
             change()
         storage.gate.set()
@@ -181,7 +177,7 @@ def test_a_streamed_save_checks_versions_too(tmp_path: Path) -> None:
     small = get_config(segment_bytes=4096, window_bytes=4096, staging_budget_bytes=4096)
     weight = torch.zeros(100_000)
     storage = _GatedStorage(tmp_path / "s")
-    fut = unickpt.async_save(storage, {"w": weight}, background_snapshot=True, config=small)
+    fut = unickpt.async_save(storage, {"w": weight}, zero_stall=True, config=small)
     weight.add_(1.0)
     storage.gate.set()
     with pytest.raises(unickpt.CheckpointError, match=f"'w' {_TORN}"):
@@ -199,7 +195,7 @@ def test_tensors_without_version_counters_and_inside_values_are_copied(tmp_path:
         "rng": unickpt.PerRank(torch.zeros(8, dtype=torch.uint8)),
     }
     storage = _GatedStorage(tmp_path / "c")
-    fut = unickpt.async_save(storage, state, background_snapshot=True)
+    fut = unickpt.async_save(storage, state, zero_stall=True)
     with torch.inference_mode():
         frozen.add_(1)
     inner.add_(1)
@@ -218,8 +214,8 @@ def test_finished_saves_leave_the_pending_list(tmp_path: Path) -> None:
     state = {"model": model, "optimizer": opt}
     unickpt.wait_pending()
     for i in range(12):
-        fut = unickpt.async_save(tmp_path / f"p{i}", state, background_snapshot=True)
-        assert len(api._PENDING) <= 1  # this save, unless it is already done
+        fut = unickpt.async_save(tmp_path / f"p{i}", state, zero_stall=True)
+        assert len(QUEUE.pending()) <= 1  # this save, unless it is already done
         assert len(hold._HELD) <= 1
         _train_step(model, opt, i)
         fut.wait()
@@ -242,9 +238,7 @@ def _fsdp2_zero_stall(rank: int, world: int, root: str) -> None:
     # A forward after the call, and a step of an optimizer held only by a trainer object.
     at_call = _values(model, opt)
     storage = _GatedStorage(f"{root}/held")
-    fut = unickpt.async_save(
-        storage, {"model": model, "trainer": _Trainer(opt)}, background_snapshot=True
-    )
+    fut = unickpt.async_save(storage, {"model": model, "trainer": _Trainer(opt)}, zero_stall=True)
     model(torch.randn(16, 8)).square().mean().backward()
     step = _step_in_thread(opt)
     step.join(timeout=0.5)
@@ -259,7 +253,7 @@ def _fsdp2_zero_stall(rank: int, world: int, root: str) -> None:
     # An in-place update of a DTensor parameter on rank 1 only: every rank fails.
     opt.zero_grad()
     storage = _GatedStorage(f"{root}/torn")
-    fut = unickpt.async_save(storage, {"model": model}, background_snapshot=True)
+    fut = unickpt.async_save(storage, {"model": model}, zero_stall=True)
     if rank == 1:
         with torch.no_grad():
             model[2].weight.add_(1.0)
@@ -272,3 +266,16 @@ def _fsdp2_zero_stall(rank: int, world: int, root: str) -> None:
 
 def test_fsdp2_zero_stall_on_two_ranks(tmp_path: Path) -> None:
     run_ranks(2, _fsdp2_zero_stall, shared_dir(tmp_path, "ckpt"))
+
+
+def test_the_former_name_of_zero_stall_still_works_and_names_it(tmp_path: Path) -> None:
+    model, opt = _build(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.warns(DeprecationWarning, match="pass zero_stall=... instead"):
+        fut = unickpt.async_save(tmp_path / "c", {"model": model}, background_snapshot=True)
+    _train_step(model, opt, 0)  # waits for the copy, as a zero-stall save's step does
+    fut.wait()
+    loaded, _ = _build(1)
+    unickpt.load(tmp_path / "c", {"model": loaded})
+    for k, v in before.items():
+        assert torch.equal(loaded.state_dict()[k], v), k

@@ -27,7 +27,7 @@ def test_steps_retention_and_latest(tmp_path: Path) -> None:
 
 
 def test_falls_back_over_damaged_and_ignores_uncommitted(tmp_path: Path) -> None:
-    ckpt = unickpt.Checkpointer(tmp_path, async_save=False)
+    ckpt = unickpt.Checkpointer(tmp_path, mode="sync")
     for step in (1, 2, 3):
         ckpt.save(step, _state(step))
     (Path(ckpt.path(3)) / "COMMIT").unlink()
@@ -53,7 +53,7 @@ def test_empty_root_and_second_job(tmp_path: Path) -> None:
     with pytest.raises(unickpt.CheckpointLockedError, match="two jobs"):
         unickpt.Checkpointer(tmp_path / "new").save(2, _state(2))
     ckpt.close()
-    with unickpt.Checkpointer(tmp_path / "new", async_save=False) as again:
+    with unickpt.Checkpointer(tmp_path / "new", mode="sync") as again:
         again.save(2, _state(2))
         assert again.steps() == [1, 2]
     with pytest.raises(unickpt.CheckpointError, match="keep_last is 0"):
@@ -61,13 +61,13 @@ def test_empty_root_and_second_job(tmp_path: Path) -> None:
 
 
 def test_readers_never_lock(tmp_path: Path) -> None:
-    with unickpt.Checkpointer(tmp_path, async_save=False) as writer:
+    with unickpt.Checkpointer(tmp_path, mode="sync") as writer:
         writer.save(3, _state(3))
     assert unickpt.Checkpointer(tmp_path).path(3).endswith("step-000000003")
     dest = _state(-1)
     assert unickpt.Checkpointer(tmp_path).load_latest(dest) == 3
     assert torch.equal(dest["w"], torch.full((64,), 3.0))  # type: ignore[arg-type]
-    with unickpt.Checkpointer(tmp_path, async_save=False) as writer:
+    with unickpt.Checkpointer(tmp_path, mode="sync") as writer:
         reader = unickpt.Checkpointer(tmp_path)
         writer.save(4, _state(4))
         assert reader.steps() == [3, 4] and reader.load_latest(dest) == 4
@@ -90,3 +90,35 @@ def test_close_saves_the_last_step_a_loop_left_unsaved(tmp_path: Path) -> None:
         state["w"].zero_()
     with pytest.raises(CheckpointError, match="final_step and state together"):
         unickpt.Checkpointer(tmp_path / "x").close(final_step=3)
+
+
+@pytest.mark.parametrize(
+    ("flags", "mode"),
+    [
+        ({"async_save": False}, "sync"),
+        ({"async_save": True}, "async"),
+        ({"background_snapshot": True}, "zero_stall"),
+        ({"async_save": True, "background_snapshot": False}, "async"),
+    ],
+)
+def test_the_former_save_flags_still_work_and_name_mode(
+    tmp_path: Path, flags: dict[str, bool], mode: str
+) -> None:
+    with pytest.warns(DeprecationWarning, match=f"pass mode='{mode}' instead"):
+        ckpt = unickpt.Checkpointer(tmp_path, **flags)  # type: ignore[arg-type]
+    with ckpt:
+        assert ckpt.mode == mode
+        ckpt.save(1, _state(1)).wait()
+        dest = _state(-1)
+        assert ckpt.load_latest(dest) == 1
+    assert torch.equal(dest["w"], torch.full((64,), 1))  # type: ignore[arg-type]
+
+
+def test_a_mode_is_checked_and_must_agree_with_the_former_flags(tmp_path: Path) -> None:
+    with pytest.raises(unickpt.CheckpointError, match="mode is 'fast'; expected one of"):
+        unickpt.Checkpointer(tmp_path, mode="fast")
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(unickpt.CheckpointError, match="disagree; pass mode only"),
+    ):
+        unickpt.Checkpointer(tmp_path, mode="zero_stall", async_save=False)

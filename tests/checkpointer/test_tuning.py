@@ -41,7 +41,7 @@ def _interval_at(tuning: Tuning, step: int) -> int:
 @pytest.mark.parametrize("async_save", [True, False])
 def test_auto_interval_on_a_real_loop(tmp_path: Path, async_save: bool) -> None:
     with unickpt.Checkpointer(
-        tmp_path, every="auto", max_overhead=0.5, async_save=async_save
+        tmp_path, every="auto", max_overhead=0.5, mode="async" if async_save else "sync"
     ) as ckpt:
         saved = _train(ckpt, range(10, 60))
         tuning = ckpt.tuning

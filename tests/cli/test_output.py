@@ -186,7 +186,7 @@ def test_inspect_shows_safetensors_and_dcp_folders(
 def test_diff_compares_two_steps_of_one_root(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with unickpt.Checkpointer(tmp_path / "run", async_save=False) as ckpt:
+    with unickpt.Checkpointer(tmp_path / "run", mode="sync") as ckpt:
         for step in (270, 280, 290):
             ckpt.save(step, {"w": torch.full((3,), float(step)), "step": step})
     assert main(["diff", str(tmp_path / "run"), "--steps", "270", "280"]) == 1

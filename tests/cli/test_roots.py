@@ -30,7 +30,7 @@ def _state(step: int) -> dict[str, Any]:
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     """A Checkpointer root with steps 1-3 committed and an unfinished step 4."""
-    with unickpt.Checkpointer(tmp_path / "run", async_save=False) as ckpt:
+    with unickpt.Checkpointer(tmp_path / "run", mode="sync") as ckpt:
         for step in (1, 2, 3):
             ckpt.save(step, _state(step))
     (tmp_path / "run" / "step-000000004").mkdir()

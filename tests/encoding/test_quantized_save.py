@@ -216,7 +216,7 @@ def _incremental_quantized(rank: int, root: str, table: torch.Tensor, rows: tupl
     local = table[rows[0] : rows[1]].clone()
     state = {"emb": ShardedTensor(local, (100, 10), (rows[0], 0))}
     with unickpt.Checkpointer(
-        root + "/run", incremental=True, row_deltas=["emb"], quantize={"emb": 8}, async_save=False
+        root + "/run", incremental=True, row_deltas=["emb"], quantize={"emb": 8}, mode="sync"
     ) as ckpt:
         ckpt.save(0, state)
         local.copy_(_changed_table()[rows[0] : rows[1]])

@@ -175,7 +175,7 @@ def test_incremental_saves_with_compression(tmp_path: Path) -> None:
         "noise": torch.randint(0, 256, (5000,), generator=g, dtype=torch.uint8),
     }
     with unickpt.Checkpointer(
-        tmp_path, incremental=True, async_save=False, compress=True, full_every=4
+        tmp_path, incremental=True, mode="sync", compress=True, full_every=4
     ) as ckpt:
         ckpt.save(1, state).wait()
         state["adapter"] += 1
@@ -211,7 +211,7 @@ def test_a_restarted_job_refers_to_compressed_chunks(tmp_path: Path) -> None:
         "frozen": (torch.randn(512, 512, generator=g) * 0.02).to(torch.bfloat16),
         "adapter": torch.randn(64, 64, generator=g) * 1e-2,
     }
-    options: dict[str, Any] = {"incremental": True, "async_save": False, "compress": True}
+    options: dict[str, Any] = {"incremental": True, "mode": "sync", "compress": True}
     with unickpt.Checkpointer(tmp_path, full_every=10, **options) as ckpt:
         first = ckpt.save(1, state).wait()
     written = []
@@ -319,7 +319,7 @@ def test_tables_compared_row_by_row_are_stored_plainly(tmp_path: Path) -> None:
         "w": (torch.randn(256, 256, generator=g) * 0.02).to(torch.bfloat16),
     }
     options: dict[str, Any] = {"incremental": True, "row_deltas": ["emb"], "compress": True}
-    with unickpt.Checkpointer(tmp_path, async_save=False, **options) as ckpt:
+    with unickpt.Checkpointer(tmp_path, mode="sync", **options) as ckpt:
         ckpt.save(1, state).wait()
         state["emb"][100:110] += 1
         ckpt.save(2, state).wait()
@@ -405,7 +405,7 @@ def test_a_slice_reads_only_the_segments_that_hold_it(
 @pytest.mark.parametrize("background", [False, True])
 def test_async_saves_compress_in_the_background(tmp_path: Path, background: bool) -> None:
     state = _every_dtype()
-    fut = unickpt.async_save(tmp_path / "c", state, compress=True, background_snapshot=background)
+    fut = unickpt.async_save(tmp_path / "c", state, compress=True, zero_stall=background)
     fut.wait()
     assert _meta(tmp_path / "c").version == FORMAT_VERSION
     dest = {k: torch.zeros_like(v) for k, v in state.items()}

@@ -20,9 +20,9 @@ def test_cuda_state_sync_and_async_roundtrip(tmp_path: Path) -> None:
     expected = {k: v.clone() for k, v in state.items()}
     state["w"].add_(1)
     fut.wait()
-    from unickpt.engine.staging import ARENA
+    from unickpt.saving.queue import QUEUE
 
-    assert ARENA._pinned
+    assert QUEUE.arena._pinned
     for path in ("s", "a"):
         dest = {k: torch.zeros_like(v) for k, v in state.items()}
         unickpt.load(tmp_path / path, dest)
@@ -41,7 +41,7 @@ def test_cuda_zero_stall_holds_the_values_of_the_call(tmp_path: Path) -> None:
         model(torch.randn(8, 256, device="cuda")).sum().backward()
         opt.step()
         expected = {k: v.clone() for k, v in model.state_dict().items()}
-        fut = unickpt.async_save(tmp_path / "z", {"model": model}, background_snapshot=True)
+        fut = unickpt.async_save(tmp_path / "z", {"model": model}, zero_stall=True)
         model(torch.randn(8, 256, device="cuda")).sum().backward()  # moves the BN statistics
         opt.step()  # waits for the copy
     fut.wait()
@@ -52,7 +52,7 @@ def test_cuda_zero_stall_holds_the_values_of_the_call(tmp_path: Path) -> None:
 
 
 def test_cuda_state_through_a_bounded_pinned_ring(tmp_path: Path) -> None:
-    from unickpt.engine.staging import ARENA
+    from unickpt.saving.queue import QUEUE
 
     g = torch.Generator(device="cuda").manual_seed(3)
     state = {
@@ -61,14 +61,14 @@ def test_cuda_state_through_a_bounded_pinned_ring(tmp_path: Path) -> None:
         "h": torch.randn(3000, device="cuda", generator=g).half(),
     }
     expected = {k: v.clone() for k, v in state.items()}
-    ARENA.release()
+    QUEUE.arena.release()
     for background in (False, True):
         path = tmp_path / f"r{background}"
-        fut = unickpt.async_save(path, state, staging_bytes=4 << 20, background_snapshot=background)
+        fut = unickpt.async_save(path, state, staging_bytes=4 << 20, zero_stall=background)
         fut.wait()
-        assert ARENA._pinned and ARENA.capacity_bytes == 4 << 20
+        assert QUEUE.arena._pinned and QUEUE.arena.capacity_bytes == 4 << 20
         dest = {k: torch.zeros_like(v) for k, v in state.items()}
         unickpt.load(tmp_path / f"r{background}", dest)
         for k in dest:
             assert torch.equal(dest[k], expected[k]), (background, k)
-    ARENA.release()
+    QUEUE.arena.release()

@@ -51,7 +51,7 @@ def test_lora_fine_tune_writes_only_the_adapters(tmp_path: Path) -> None:
     model = _lora_gpt()
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=1e-3)
-    ckpt = unickpt.Checkpointer(tmp_path, incremental=True, async_save=False)
+    ckpt = unickpt.Checkpointer(tmp_path, incremental=True, mode="sync")
     sizes = []
     for step in range(4):
         _train(model, opt, 2, seed=step)
@@ -96,9 +96,7 @@ def _state(frozen: torch.Tensor, step: int) -> dict[str, Any]:
 
 def test_compaction_and_retention_keep_what_is_referred_to(tmp_path: Path) -> None:
     frozen = torch.arange(300_000, dtype=torch.float32)
-    ckpt = unickpt.Checkpointer(
-        tmp_path, keep_last=2, incremental=True, full_every=3, async_save=False
-    )
+    ckpt = unickpt.Checkpointer(tmp_path, keep_last=2, incremental=True, full_every=3, mode="sync")
     listed = []
     for step in range(7):
         report = ckpt.save(step, _state(frozen, step)).wait()
@@ -118,7 +116,7 @@ def test_compaction_and_retention_keep_what_is_referred_to(tmp_path: Path) -> No
 
 def test_a_restarted_job_refers_to_the_newest_checkpoint(tmp_path: Path) -> None:
     frozen = torch.arange(300_000, dtype=torch.float32)
-    options: dict[str, Any] = {"incremental": True, "full_every": 3, "async_save": False}
+    options: dict[str, Any] = {"incremental": True, "full_every": 3, "mode": "sync"}
     with unickpt.Checkpointer(tmp_path / "run", **options) as ckpt:
         for step in range(2):
             ckpt.save(step, _state(frozen, step))
@@ -143,7 +141,7 @@ def test_a_restarted_job_refers_to_the_newest_checkpoint(tmp_path: Path) -> None
 
 def test_saving_over_a_step_others_refer_to_is_refused(tmp_path: Path) -> None:
     frozen = torch.arange(300_000, dtype=torch.float32)
-    ckpt = unickpt.Checkpointer(tmp_path, incremental=True, async_save=False)
+    ckpt = unickpt.Checkpointer(tmp_path, incremental=True, mode="sync")
     for step in range(3):
         ckpt.save(step, _state(frozen, step))
     with pytest.raises(unickpt.CheckpointError) as info:
@@ -165,7 +163,7 @@ def test_missing_or_damaged_referenced_step(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     frozen = torch.arange(300_000, dtype=torch.float32)
-    ckpt = unickpt.Checkpointer(tmp_path, incremental=True, async_save=False)
+    ckpt = unickpt.Checkpointer(tmp_path, incremental=True, mode="sync")
     for step in range(3):
         ckpt.save(step, _state(frozen, step))
     assert main(["verify", ckpt.path(2)]) == 0
@@ -211,7 +209,9 @@ def test_async_and_zero_stall_saves(tmp_path: Path) -> None:
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     for background in (False, True):
         root = tmp_path / str(background)
-        ckpt = unickpt.Checkpointer(root, incremental=True, background_snapshot=background)
+        ckpt = unickpt.Checkpointer(
+            root, incremental=True, mode="zero_stall" if background else "async"
+        )
         for step in range(3):
             model(torch.randn(2, 256)).sum().backward()
             opt.step()
@@ -265,7 +265,7 @@ def _save_on_ranks(rank: int, world: int, root: str) -> list[int]:
     model[1].requires_grad_(False)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     written = []
-    with unickpt.Checkpointer(root, incremental=True, async_save=False) as ckpt:
+    with unickpt.Checkpointer(root, incremental=True, mode="sync") as ckpt:
         for step in range(3):
             model(torch.ones(2, 128)).sum().backward()
             opt.step()

@@ -44,7 +44,7 @@ def test_changed_rows_only_load_and_reshard(tmp_path: Path) -> None:
     table = nn.Embedding(ROWS, DIM, sparse=True)
     opt = torch.optim.SGD(table.parameters(), lr=0.1)
     ckpt = unickpt.Checkpointer(
-        tmp_path, incremental=True, full_every=5, async_save=False, row_deltas=["tables.*"]
+        tmp_path, incremental=True, full_every=5, mode="sync", row_deltas=["tables.*"]
     )
     row_bytes = DIM * 4
     for step in range(6):
@@ -84,7 +84,7 @@ def test_dense_changes_write_the_table_whole(tmp_path: Path) -> None:
     table = torch.zeros(4_000, 8)
     frozen = torch.ones(4_000, 8)
     ckpt = unickpt.Checkpointer(
-        tmp_path, incremental=True, async_save=False, row_deltas=["*"], full_every=100
+        tmp_path, incremental=True, mode="sync", row_deltas=["*"], full_every=100
     )
     written = []
     for step in range(4):

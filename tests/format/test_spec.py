@@ -303,7 +303,7 @@ def test_incremental_chain_with_row_deltas(spec: Reader, tmp_path: Path, compres
     changes = [[], [5, 6, 7, 1500], [6, 10, 2000, 2001, 2002, 2999], [1, 2]]
     options: dict[str, Any] = {
         "incremental": True,
-        "async_save": False,
+        "mode": "sync",
         "row_deltas": ["tables.*"],
         "full_every": 10,
         "config": SMALL_SEGMENTS,

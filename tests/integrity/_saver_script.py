@@ -61,7 +61,7 @@ def open_root(root: str, mode: str) -> unickpt.Checkpointer:
     return unickpt.Checkpointer(
         root,
         keep_last=KEEP_LAST,
-        async_save=mode in ("async", "incr-async"),
+        mode="async" if mode in ("async", "incr-async") else "sync",
         incremental=mode in INCREMENTAL,
         full_every=FULL_EVERY,
         row_deltas=["table"] if mode in INCREMENTAL else (),
@@ -189,7 +189,7 @@ def _warm_up() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         state = build_state()
         set_step(state, 0)
-        with unickpt.Checkpointer(tmp, async_save=False) as ckpt:
+        with unickpt.Checkpointer(tmp, mode="sync") as ckpt:
             ckpt.save(0, state)
             ckpt.load_latest(state)
 

@@ -316,7 +316,7 @@ def _big_state(mib: int) -> dict[str, Any]:
 def test_disk_full_in_the_middle_of_a_save(tmp_path: Path, async_save: bool) -> None:
     with small_tmpfs(tmp_path / "disk", "2m") as disk:
         root = disk / "run"
-        with unickpt.Checkpointer(root, async_save=async_save) as ckpt:
+        with unickpt.Checkpointer(root, mode="async" if async_save else "sync") as ckpt:
             ckpt.save(1, _model_state(1.0)).wait()
             with pytest.raises(unickpt.CheckpointError) as info:
                 ckpt.save(2, _big_state(3))
@@ -443,9 +443,7 @@ def test_a_state_nested_900_deep_is_refused_naming_its_key(tmp_path: Path, way: 
         if way == "save" or way == "dict with a tensor":
             unickpt.save(tmp_path / "c", state)
         else:
-            unickpt.async_save(
-                tmp_path / "c", state, background_snapshot=way == "zero-stall"
-            ).wait()
+            unickpt.async_save(tmp_path / "c", state, zero_stall=way == "zero-stall").wait()
     assert "'deep.history" in str(info.value)
     assert "nests lists, tuples or dicts more than 100 deep" in str(info.value)
     assert not (tmp_path / "c" / "COMMIT").exists()

@@ -130,7 +130,7 @@ def test_fused_round_trip_with_a_layout_map_is_strict(tmp_path: Path) -> None:
 
 
 def test_zero_stall_save_of_fused_padded_and_replicated_leaves(tmp_path: Path) -> None:
-    """background_snapshot=True: the leaves (and a layout map) are captured at the call and
+    """zero_stall=True: the leaves (and a layout map) are captured at the call and
     the pieces checked against the versions recorded for the tensors they are views of."""
     local = torch.randn(1000, 64)  # large enough to be kept by reference, not copied
     emb = torch.randn(600, 64)
@@ -147,7 +147,7 @@ def test_zero_stall_save_of_fused_padded_and_replicated_leaves(tmp_path: Path) -
         }
     }
     layout = {"*.qkv": unickpt.fused_glu(0, 1)}
-    unickpt.async_save(tmp_path / "c", state, background_snapshot=True, layout=layout).wait()
+    unickpt.async_save(tmp_path / "c", state, zero_stall=True, layout=layout).wait()
     back = {k: torch.zeros(500, 64) for k in ("fc1.gate", "fc1.up", "qkv.gate", "qkv.up", "emb")}
     unickpt.load(tmp_path / "c", {"m": {**back, "ln": torch.zeros(3)}})
     assert torch.equal(back["fc1.gate"], local[:500]) and torch.equal(back["qkv.up"], local[500:])
@@ -170,7 +170,9 @@ def test_a_checkpointer_saves_and_resumes_with_its_layout_map(
     tensor back through the same map, and an unfused state loads the pieces by name."""
     layout = {"*.fc1": unickpt.fused_glu(0, 1)}
     fc1 = torch.randn(8, 3)
-    with unickpt.Checkpointer(tmp_path / "run", layout=layout, async_save=async_save) as ckpt:
+    with unickpt.Checkpointer(
+        tmp_path / "run", layout=layout, mode="async" if async_save else "sync"
+    ) as ckpt:
         ckpt.save(1, {"m": {"fc1": fc1}}).wait()
         back = {"m": {"fc1": torch.zeros(8, 3)}}
         assert ckpt.load_latest(back) == 1

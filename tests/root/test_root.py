@@ -95,9 +95,7 @@ def test_a_coordinator_failure_fails_the_save_on_every_rank_and_the_next_saves_g
 
 def test_retention_keeps_every_step_when_a_reference_cannot_be_read(tmp_path: Path) -> None:
     storage, faults = faulty(tmp_path / "root")
-    ckpt = unickpt.Checkpointer(
-        storage, keep_last=2, incremental=True, full_every=100, async_save=False
-    )
+    ckpt = unickpt.Checkpointer(storage, keep_last=2, incremental=True, full_every=100, mode="sync")
     ckpt.save(1, _state(1))
     ckpt.save(2, _state(2))  # refers to step 1's "frozen"
     rule = faults.fail("read_bytes", "metadata-", times=4)  # a 503 burst during retention
@@ -126,7 +124,7 @@ def _flip_a_byte(folder: Path) -> None:
 
 def test_load_latest_raises_naming_every_step_when_none_loads(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    ckpt = unickpt.Checkpointer(root, incremental=True, full_every=100, async_save=False)
+    ckpt = unickpt.Checkpointer(root, incremental=True, full_every=100, mode="sync")
     assert ckpt.load_latest(_zeros()) is None  # an empty root: nothing to resume
     for step in (1, 2, 3):
         ckpt.save(step, _state(step, 1 << 18))
@@ -149,7 +147,7 @@ def test_load_latest_raises_naming_every_step_when_none_loads(tmp_path: Path) ->
 def _writer(root: str, stop: Any) -> None:
     """Saves step after step with keep_last=1 until told to stop (retention deletes each step
     as the next commits)."""
-    ckpt = unickpt.Checkpointer(root, keep_last=1, async_save=False)
+    ckpt = unickpt.Checkpointer(root, keep_last=1, mode="sync")
     step = 0
     while not stop.is_set() and step < 10_000:
         step += 1
@@ -269,13 +267,13 @@ def test_a_save_that_fails_at_its_commit_leaves_no_files_and_the_old_checkpoint(
 
 def test_saving_over_a_step_that_others_refer_to_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    ckpt = unickpt.Checkpointer(root, incremental=True, full_every=100, async_save=False)
+    ckpt = unickpt.Checkpointer(root, incremental=True, full_every=100, mode="sync")
     ckpt.save(1, _state(1))
     ckpt.save(2, _state(2))
     ckpt.close()
     for again in (
         lambda: unickpt.save(root / step_name(1), _state(7), overwrite=True),
-        lambda: unickpt.Checkpointer(root, async_save=False).save(1, _state(7)),
+        lambda: unickpt.Checkpointer(root, mode="sync").save(1, _state(7)),
     ):
         with pytest.raises(CheckpointError, match=r"incremental checkpoints in step-000000002"):
             again()

@@ -68,7 +68,7 @@ def checkpointer_and_command_line(
     dest = blank()
     assert reader.load_latest(dest) == 3
     same(dest, make(3))
-    with unickpt.Checkpointer(root, keep_last=2, async_save=False, config=config) as ckpt:
+    with unickpt.Checkpointer(root, keep_last=2, mode="sync", config=config) as ckpt:
         ckpt.save(4, make(4))
     assert storage.list_names() == ["ROOT_ID", "step-000000003", "step-000000004"]
     # the command line takes the newest committed step of a root, or --step N

@@ -50,7 +50,7 @@ def test_a_registered_backend_serves_save_load_and_checkpointer(tmp_path: Path) 
     register_backend("tagged", _Tagged)
     url = f"tagged://{tmp_path}/run"
     state = {"w": torch.arange(10.0)}
-    with unickpt.Checkpointer(url, async_save=False) as ckpt:
+    with unickpt.Checkpointer(url, mode="sync") as ckpt:
         ckpt.save(3, state)
         assert ckpt.path(3) == f"{url}/step-000000003"
     dest = {"w": torch.zeros(10)}

@@ -329,9 +329,7 @@ def test_incremental_checkpoints_refer_to_earlier_steps(s3_endpoint: str, s3_buc
     """A frozen tensor is written by the first save only; later steps refer to its bytes,
     load and verify whole, and retention keeps the step they refer to."""
     root = f"s3://{s3_bucket}/inc"
-    ckpt = unickpt.Checkpointer(
-        root, keep_last=1, incremental=True, async_save=False, config=CONFIG
-    )
+    ckpt = unickpt.Checkpointer(root, keep_last=1, incremental=True, mode="sync", config=CONFIG)
     state = _state(1)
     written = []
     for step in range(3):

@@ -107,7 +107,7 @@ def test_saves_commit_through_faults_and_no_partial_is_seen(
     reader = _Reader(_through(proxy, f"s3://{s3_bucket}/run", settings))
     reader.start()
     committed, failed = [], []
-    with unickpt.Checkpointer(root, keep_last=3, async_save=False, config=CONFIG) as ckpt:
+    with unickpt.Checkpointer(root, keep_last=3, mode="sync", config=CONFIG) as ckpt:
         for step in range(8):
             try:
                 ckpt.save(step, _state(step))
@@ -165,7 +165,7 @@ def test_without_retries_saves_fail_clearly_and_nothing_partial_shows(
         unickpt.load(clean.child(step_name(step)), dest, config=CONFIG)
         assert torch.equal(dest["w"], _state(step)["w"])
     # a writer's lock cleans the uploads the failed saves could not abort
-    with unickpt.Checkpointer(clean, async_save=False, config=CONFIG) as ckpt:
+    with unickpt.Checkpointer(clean, mode="sync", config=CONFIG) as ckpt:
         ckpt.save(99, {"b": torch.ones(3)})
     assert uploads(s3_endpoint, s3_bucket) == []
 
@@ -175,7 +175,7 @@ import torch, unickpt
 from unickpt.config import get_config
 cfg = get_config(io_threads=1, window_bytes=5 << 20, segment_bytes=1 << 20,
                  read_piece_bytes=1 << 20)
-with unickpt.Checkpointer({root!r}, async_save=False, config=cfg) as ckpt:
+with unickpt.Checkpointer({root!r}, mode='sync', config=cfg) as ckpt:
     ckpt.save(1, {{"w": torch.full((1000,), 1.0), "step": 1}})
     print("saved 1", flush=True)
     ckpt.save(2, {{"w": torch.ones(40 << 20), "step": 2}})  # 160 MiB, 32 parts, one at a time
@@ -220,7 +220,7 @@ def test_a_save_killed_mid_upload(s3_endpoint: str, s3_bucket: str) -> None:
     assert ckpt.load_latest(dest) == 1 and torch.equal(dest["w"], torch.full((1000,), 1.0))
     # the next writer takes over the dead writer's lock at once (its process on this host is
     # gone), aborts its uploads and removes its folder
-    with unickpt.Checkpointer(root, async_save=False) as ckpt:
+    with unickpt.Checkpointer(root, mode="sync") as ckpt:
         ckpt.save(3, {"w": torch.full((1000,), 3.0), "step": 3})
         assert ckpt.steps() == [1, 3]
     assert uploads(s3_endpoint, s3_bucket, "killed/") == []

@@ -164,7 +164,7 @@ def measure_checkpoints(cfg: DlrmConfig, batches: Data, work: Path) -> dict[str,
     state = {"model": model, "optimizer": opt}
     kinds = variants(cfg)
     ckpts = {
-        name: Checkpointer(work / f"v{i}", async_save=False, keep_last=1, **kwargs)
+        name: Checkpointer(work / f"v{i}", mode="sync", keep_last=1, **kwargs)
         for i, (name, kwargs) in enumerate(kinds.items())
     }
     written: dict[str, list[int]] = {name: [] for name in kinds}

@@ -1,1 +1,1 @@
-"""The I/O engine: staging, the pipelined write and read, async futures."""
+"""The I/O engine: copies into staging memory, data files written in parts, reads, futures."""

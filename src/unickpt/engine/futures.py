@@ -1,10 +1,31 @@
-"""The handle of an asynchronous save."""
+"""The handle of an asynchronous save, and the report of a finished one."""
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
+
+from ..format.metadata import EncodingError
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """Figures of one finished save on this rank."""
+
+    bytes_written: int
+    write_s: float
+    commit_s: float
+    plan_cached: bool
+    encoding_errors: dict[str, EncodingError] = field(default_factory=dict)
+    """For each quantized table, what quantization changed in its values."""
+    timeline: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase on this rank (:data:`unickpt.engine.timeline.PHASES`): ``plan``;
+    summed over the writer threads ``compress``, ``hash`` and ``write`` (into the storage);
+    ``file`` (the data file's parts, wall), ``complete`` (its fsync and rename, with the
+    index written meanwhile), ``gather`` (waiting for every rank) and ``commit`` (metadata and
+    marker, on the coordinator)."""
 
 
 class SaveFuture:

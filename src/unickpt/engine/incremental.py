@@ -50,7 +50,7 @@ from .row_deltas import (
     row_digests,
     sub_box,
 )
-from .write import ItemSource
+from .sources import ItemSource
 
 _HASH_PIECE_SEGMENTS = 64
 

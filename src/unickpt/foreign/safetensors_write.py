@@ -26,12 +26,13 @@ from typing import Any
 
 from ..config import Config
 from ..dist import Comm, run_step
-from ..engine.saver import SaveReport, local_plan
+from ..engine.futures import SaveReport
 from ..errors import CheckpointError, CheckpointExistsError
 from ..format.dtypes import byte_view, dtype_from_name, itemsize
 from ..layouts.boxes import Box
 from ..planning.flatten import Flattened, flatten_state
 from ..planning.load_keys import KeyMap
+from ..planning.local_plan import local_plan
 from ..planning.save_keys import rename_for_save
 from ..planning.save_plan import GlobalPlan, build_global_plan
 from ..storage.base import Storage

@@ -52,8 +52,7 @@ from transformers import Trainer, TrainerCallback
 from .. import api
 from ..config import get_config
 from ..dist import Comm, decide
-from ..engine import saver
-from ..engine.futures import SaveFuture
+from ..engine.futures import SaveFuture, SaveReport
 from ..errors import CheckpointError
 from ..format.metadata import COMMIT_FILE
 from ..layouts.leaves import PerRank
@@ -274,9 +273,7 @@ def _rotation_held(args: Any) -> Iterator[None]:
         args.save_total_limit = limit
 
 
-def save_pretrained(
-    trainer: Any, path: str, *, max_shard_size: int | str = "5GB"
-) -> saver.SaveReport:
+def save_pretrained(trainer: Any, path: str, *, max_shard_size: int | str = "5GB") -> SaveReport:
     """Write the trainer's model as ``trainer.save_model(path)`` does, from every rank.
 
     Every rank calls it together. The weights go through

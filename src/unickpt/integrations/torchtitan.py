@@ -23,7 +23,7 @@ does (``Saving the checkpoint (step N) to ...``, ``Finished saving the checkpoin
 - ``folder`` (under the dump folder) is a :class:`unickpt.Checkpointer` root, ``keep_latest_k``
   its ``keep_last`` (0: keep all), ``async_mode`` ``"disabled"`` a synchronous save, ``"async"``
   an asynchronous one (returns after the snapshot), ``"async_with_pinned_mem"`` a zero-stall one
-  (``background_snapshot=True``: the snapshot overlaps the next forward and backward and
+  (``mode="zero_stall"``: the snapshot overlaps the next forward and backward and
   ``maybe_wait_for_staging``, or the next optimizer step, waits for it).
 
 With the train spec's state dict adapter, ``initial_load_in_hf`` loads the model from a Hugging
@@ -64,6 +64,9 @@ from ..errors import CheckpointError, CheckpointNotFoundError
 from . import StatefulView
 
 log = logging.getLogger(__name__)
+
+_MODES = {"disabled": "sync", "async": "async", "async_with_pinned_mem": "zero_stall"}
+"""torchtitan's ``async_mode`` as a Checkpointer's ``mode``."""
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -209,8 +212,7 @@ class UnickptCheckpointManager(BaseCheckpointManager):
         self._ckpt = Checkpointer(
             self.folder,
             keep_last=config.keep_latest_k or None,
-            async_save=config.async_mode != "disabled",
-            background_snapshot=config.async_mode == "async_with_pinned_mem",
+            mode=_MODES[config.async_mode],
         )
         log.info("checkpoints are saved to and loaded from %s (unickpt)", self.folder)
 

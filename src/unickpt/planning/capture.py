@@ -101,7 +101,8 @@ class Capture:
                     f"{found}); a checkpoint never holds values of two moments, so this save was "
                     "not committed. A zero-stall save keeps large tensors by reference: change "
                     "them only in optimizer.step() (which waits for the copy) or after "
-                    "future.wait_snapshot(), or save with background_snapshot=False."
+                    "future.wait_snapshot(), or save with zero_stall=False (a Checkpointer: "
+                    "mode='async')."
                 )
 
     def _recorded(self, key: str) -> str:
@@ -220,7 +221,8 @@ class _Capturer:
             raise CheckpointError(
                 f"'{key}' holds a {type(value).__qualname__} that cannot be copied at the call "
                 f"of a zero-stall save ({type(e).__name__}: {e}); give it "
-                "state_dict()/load_state_dict(), or save with background_snapshot=False."
+                "state_dict()/load_state_dict(), or save with zero_stall=False (a Checkpointer: "
+                "mode='async')."
             ) from e
 
 

@@ -73,16 +73,11 @@ class MemoryStats:
 
 @dataclass(frozen=True)
 class SaveSettings:
-    """How the Checkpointer saves: what the tier needs of it (it never sees the Checkpointer)."""
+    """What the tier needs of the Checkpointer (it never sees the Checkpointer)."""
 
     group: Any
     config: Config
-    async_save: bool
-    background_snapshot: bool
-    quantize: dict[str, int] | None
     keep_last: int | None
-    compress: bool = False
-    staging_bytes: int | None = None
     layout: LayoutMap | None = None
 
 
@@ -158,7 +153,11 @@ class TierPolicy:
 
     # -- save ----------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any]) -> SaveFuture:
+    def begin_save(self, step: int) -> tuple[Storage, Callable[[], None]]:
+        """Before the save of ``step`` (collective): room made for it; the memory folder it is
+        saved to and what runs once it is committed, in the save's thread, on every rank
+        (commit copies, replicas, then the persist when one is due). The Checkpointer then
+        saves there and hands the save's future to :attr:`pending`."""
         group, nodes = self._setup()
         store = self._bound()
         self._make_room()
@@ -170,42 +169,11 @@ class TierPolicy:
         due = self._since_persist >= self.tier.persist_every
         if due:
             self._since_persist = 0
-        target = store.step_storage(step)
 
         def committed() -> None:
             self._after_commit(step, due)
 
-        s = self.settings
-        if not s.async_save:
-            report = api.save(
-                target,
-                state,
-                group=s.group,
-                overwrite=True,
-                config=s.config,
-                quantize=s.quantize,
-                compress=s.compress,
-                lock=False,
-                layout=s.layout,
-            )
-            committed()
-            self.pending = SaveFuture.completed(report)
-            return self.pending
-        self.pending = api.async_save(
-            target,
-            state,
-            group=s.group,
-            overwrite=True,
-            background_snapshot=s.background_snapshot,
-            config=s.config,
-            on_commit=committed,
-            quantize=s.quantize,
-            compress=s.compress,
-            lock=False,
-            staging_bytes=s.staging_bytes,
-            layout=s.layout,
-        )
-        return self.pending
+        return store.step_storage(step), committed
 
     def _prepare_folder(self, nodes: Nodes, store: MemoryStore) -> tuple[None, None]:
         """On each node's leader: claim the job's folder and retire older steps. Run as a step
@@ -408,9 +376,3 @@ class TierPolicy:
             self.root.location,
             result,
         )
-
-
-def _is_persisted(root: Storage, committed: Committed) -> bool:
-    from .persist import persisted
-
-    return persisted(root, committed)

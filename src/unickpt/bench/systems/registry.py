@@ -51,7 +51,7 @@ SYSTEM_INFOS: tuple[SystemInfo, ...] = (
         "unickpt zero-stall",
         "unickpt",
         False,
-        "async_save(background_snapshot=True); blocking = call + wait in next optimizer.step",
+        "async_save(zero_stall=True); blocking = call + wait in next optimizer.step",
         f"{_PKG}.unickpt_systems:UnickptZeroStallSystem",
     ),
     SystemInfo(

@@ -1,4 +1,4 @@
-"""unickpt itself: synchronous save, async save, and zero-stall (background snapshot)."""
+"""unickpt itself: synchronous save, async save, and zero-stall."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class UnickptAsyncSystem(UnickptSystem):
 
 
 class UnickptZeroStallSystem(UnickptSystem):
-    """``async_save(background_snapshot=True)``: the call returns at once; the copy overlaps
+    """``async_save(zero_stall=True)``: the call returns at once; the copy overlaps
     forward and backward, and the next ``optimizer.step()`` waits for it."""
 
     _HOW = (
@@ -78,5 +78,5 @@ class UnickptZeroStallSystem(UnickptSystem):
     )
 
     def save(self, path: Path, state: TrainState) -> SaveHandle:
-        future = self._unickpt.async_save(str(path), state.state(), background_snapshot=True)
+        future = self._unickpt.async_save(str(path), state.state(), zero_stall=True)
         return _UnickptFuture(future, False)

@@ -1,4 +1,4 @@
-"""Bounded staging: a snapshot copied through at most ``budget`` bytes of host memory.
+"""The bounded ring: a snapshot copied through at most ``budget`` bytes of host memory.
 
 When a rank's state is larger than its staging budget, the snapshot cannot hold a copy of all
 of it. The :class:`Stager` instead copies the file's parts, in file order, into a ring of
@@ -22,10 +22,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import CheckpointError
-from ..format.dtypes import buffer_of, byte_view
+from ..format.dtypes import buffer_of
 from .parts import Part
-from .staging import StagingArena, needs_pinned
-from .write import rows_copy
+from .sources import needs_pinned, span_bytes
 
 _RING_PARTS = 6
 """About how many parts the ring holds at once: enough for the writer threads and the copy."""
@@ -34,7 +33,8 @@ _RING_PARTS = 6
 class Stager:
     """Copies the parts of one data file into a ring of host memory ahead of their writes.
 
-    ``views[i]`` are the tensors of the file's items. ``check(i)`` runs once item ``i`` is
+    ``views[i]`` are the tensors of the file's items; ``room`` is the ring's memory (its
+    bytes are the budget; pinned where a view is on a GPU). ``check(i)`` runs once item ``i`` is
     wholly copied; ``on_copied()`` once every part is copied, or the copy has stopped (after
     an error, or :meth:`stop`). An error of the copy (or of ``check``) is raised to the writer
     threads waiting for parts, so the file is aborted and the save fails on every rank.
@@ -43,18 +43,16 @@ class Stager:
     def __init__(
         self,
         views: Sequence[torch.Tensor],
-        budget: int,
-        arena: StagingArena,
+        room: torch.Tensor,
         check: Callable[[int], None] | None = None,
         on_copied: Callable[[], None] | None = None,
     ) -> None:
         self._views = list(views)
-        self._budget = budget
-        self._arena = arena
+        self._budget = room.numel()
+        self._ring = room
         self._check = check
         self._on_copied = on_copied
         self._pinned = needs_pinned(self._views)
-        self._ring: torch.Tensor | None = None
         self._cond = threading.Condition()
         self._live: collections.deque[list[int]] = collections.deque()  # [part, start, end, done]
         self._staged: dict[int, int] = {}  # part index -> start of its region in the ring
@@ -85,7 +83,6 @@ class Stager:
                 )
             )
             return
-        self._ring = self._arena.take(self._budget, self._pinned)
         self._thread = threading.Thread(
             target=self._run, args=(list(parts),), name="unickpt-stager", daemon=True
         )
@@ -101,7 +98,6 @@ class Stager:
                     raise RuntimeError("the staged save was stopped")
                 self._cond.wait()
             at = self._staged[part.index]
-        assert self._ring is not None
         out: list[memoryview | None] = []
         for span in part.spans:
             if span.item is None:
@@ -195,7 +191,6 @@ class Stager:
 
     def _copy(self, part: Part, at: int, remaining: list[int]) -> list[int]:
         """Copy the part's spans to the ring at ``at``; the items now wholly copied."""
-        assert self._ring is not None
         done = []
         with torch.no_grad():
             for span in part.spans:
@@ -203,7 +198,7 @@ class Stager:
                     continue
                 dst = self._ring[at : at + span.nbytes]
                 dst.copy_(
-                    _span_bytes(self._views[span.item], span.start, span.nbytes),
+                    span_bytes(self._views[span.item], span.start, span.nbytes),
                     non_blocking=self._pinned,
                 )
                 at += span.nbytes
@@ -226,12 +221,3 @@ def _bytes_per_item(parts: Sequence[Part], count: int) -> list[int]:
             if s.item is not None:
                 out[s.item] += s.nbytes
     return out
-
-
-def _span_bytes(view: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
-    """Bytes ``[start, start + nbytes)`` of ``view`` in row-major order, on its device: a view
-    where the tensor is contiguous, else a copy of the rows that hold them."""
-    if view.is_contiguous():
-        return byte_view(view).reshape(-1)[start : start + nbytes]
-    size = view.element_size()
-    return byte_view(rows_copy(view, start // size, (start + nbytes) // size, view.device))

@@ -1,4 +1,4 @@
-"""Replicated tensors at a save: the copies of the ranks holding one compared, or averaged.
+"""Replicated tensors at a save's plan: the copies of the ranks holding one compared, or averaged.
 
 A :class:`~unickpt.Replicated` tensor (a LayerNorm weight every tensor-parallel rank holds) is
 reduced across all ranks of the save, every rank taking part (ranks without the key give
@@ -22,18 +22,9 @@ import torch
 
 from ..dist import Comm
 from ..errors import CheckpointMismatchError
-from ..format.dtypes import dtype_from_name, dtype_name, tensor_bytes
+from ..format.dtypes import dtype_from_name, tensor_bytes
 from ..planning.flatten import Flattened
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """What a rank holds of one replicated tensor: its key, shape, dtype and reduction."""
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: str
-    reduce: str
+from ..planning.local_plan import ReplicaSpec
 
 
 @dataclass(frozen=True)
@@ -44,14 +35,6 @@ class _Agreed:
     @property
     def numel(self) -> int:
         return int(np.prod(self.spec.shape, dtype=np.int64))
-
-
-def replica_specs(flat: Flattened) -> tuple[ReplicaSpec, ...]:
-    """This rank's replicated tensors, by key."""
-    return tuple(
-        ReplicaSpec(k, flat.tensors[k].shape, dtype_name(flat.tensors[k].dtype), reduce)
-        for k, reduce in sorted(flat.reductions.items())
-    )
 
 
 def reduce_replicas(comm: Comm, flat: Flattened, specs: Sequence[tuple[ReplicaSpec, ...]]) -> None:

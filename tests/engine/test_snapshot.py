@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from unickpt.engine.memcpy import LARGE_COPY_BYTES
-from unickpt.engine.staging import StagingArena, snapshot
+from unickpt.engine.snapshot import snapshot
 from unickpt.layouts.boxes import Box
 from unickpt.planning.save_plan import WriteItem
 
@@ -13,6 +13,10 @@ def _items(views: list[torch.Tensor]) -> list[WriteItem]:
         items.append(WriteItem(f"t{i}", Box((0,) * v.dim(), tuple(v.shape)), offset, v.nbytes))
         offset += v.nbytes
     return items
+
+
+def _room(views: list[torch.Tensor]) -> torch.Tensor:
+    return torch.empty(sum(v.nbytes for v in views), dtype=torch.uint8)
 
 
 def _views() -> list[torch.Tensor]:
@@ -33,7 +37,7 @@ def _views() -> list[torch.Tensor]:
 def test_every_item_lands_bitwise_and_is_checked_once(intra_op: bool, threads: int) -> None:
     views = _views()
     checked: list[int] = []
-    sources = snapshot(_items(views), views, StagingArena(), threads, checked.append, intra_op)
+    sources = snapshot(_items(views), views, _room(views), threads, checked.append, intra_op)
     assert sorted(checked) == list(range(len(views)))
     for src, v in zip(sources, views):
         assert src.view.dtype == v.dtype and src.view.shape == v.shape
@@ -51,4 +55,4 @@ def test_a_failing_check_stops_the_snapshot_with_its_error(intra_op: bool) -> No
             raise RuntimeError("tensor 't1' changed while it was copied")
 
     with pytest.raises(RuntimeError, match="tensor 't1' changed while it was copied"):
-        snapshot(_items(views), views, StagingArena(), 2, check, intra_op)
+        snapshot(_items(views), views, _room(views), 2, check, intra_op)

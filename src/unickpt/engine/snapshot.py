@@ -1,8 +1,9 @@
-"""Snapshot buffers: host memory allocated once and reused by every asynchronous save.
+"""The whole snapshot: every chunk a rank writes copied into host memory laid out like its file.
 
-A snapshot copies each chunk a rank writes into its place in one arena laid out exactly like
-the rank's data file, so the background writer needs no further copy. CUDA tensors are copied
-device-to-host asynchronously into pinned memory, with one synchronization at the end.
+Each chunk is copied into its place in a room laid out exactly like the rank's data file (the
+save queue's staging memory, :mod:`unickpt.saving.queue`), so the background writer needs no
+further copy. CUDA tensors are copied device-to-host asynchronously into pinned memory, with
+one synchronization at the end.
 """
 
 from __future__ import annotations
@@ -16,35 +17,7 @@ import torch
 
 from ..planning.save_plan import WriteItem
 from .memcpy import LARGE_COPY_BYTES, copy_tensor, intra_op_fits
-from .write import ItemSource
-
-
-class StagingArena:
-    """A growable host buffer; reallocated only when a save needs more than it holds."""
-
-    def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None
-        self._pinned = False
-        self._lock = threading.Lock()
-
-    @property
-    def capacity_bytes(self) -> int:
-        return 0 if self._buf is None else self._buf.numel()
-
-    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        with self._lock:
-            if self._buf is None or self._buf.numel() < nbytes or (pinned and not self._pinned):
-                self._buf = None
-                self._buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
-                self._pinned = pinned
-            return self._buf[:nbytes]
-
-    def release(self) -> None:
-        with self._lock:
-            self._buf = None
-
-
-ARENA = StagingArena()
+from .sources import ItemSource, needs_pinned
 
 # Copy threads live across saves: starting them costs more than a copy of tens of MB. Recreated
 # after a fork (the child has none of the parent's threads) or when the thread count changes.
@@ -76,33 +49,28 @@ def stream_marker() -> torch.cuda.Event | None:
     return event
 
 
-def needs_pinned(views: Sequence[torch.Tensor]) -> bool:
-    return any(v.device.type == "cuda" for v in views) and torch.cuda.is_available()
-
-
 def snapshot(
     items: Sequence[WriteItem],
     views: Sequence[torch.Tensor],
-    arena: StagingArena,
+    room: torch.Tensor,
     threads: int = 2,
     check: Callable[[int], None] | None = None,
     intra_op: bool = False,
 ) -> list[ItemSource]:
-    """Copy every item into the arena; return sources that read from the arena.
+    """Copy every item into ``room`` (host bytes, pinned for CUDA sources, at least the file's
+    size); return sources that read from it.
 
     ``check(i)``, when given, runs once item ``i`` is copied (for CUDA: once every copy has
     finished); an error it raises stops the remaining copies and is raised here, after every
-    copy thread has let go of the arena. With ``intra_op`` (the caller's thread is blocked on
+    copy thread has let go of the room. With ``intra_op`` (the caller's thread is blocked on
     the copy anyway, as in a foreground snapshot) and :func:`intra_op_fits`, host copies of at
     least ``LARGE_COPY_BYTES`` run one after another on torch's intra-op threads, which copy
     large buffers faster than separate threads each copying their own (see the snapshot step
     in ``docs/architecture.md``); the rest run on the engine's copy threads.
     """
-    total = items[-1].byte_offset + items[-1].nbytes if items else 0
     pinned = needs_pinned(views)
-    buf = arena.take(total, pinned)
     jobs = [
-        (i, buf[it.byte_offset : it.byte_offset + it.nbytes].view(v.dtype).view(v.shape), v)
+        (i, room[it.byte_offset : it.byte_offset + it.nbytes].view(v.dtype).view(v.shape), v)
         for i, (it, v) in enumerate(zip(items, views))
     ]
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The write path: one data file per writing rank, written as parts from parallel threads.
+"""One data file, written as parts from parallel threads (or as a compressed stream).
 
 :func:`~unickpt.engine.parts.plan_parts` cuts the rank's file into parts the backend can take.
 Worker threads hash each part's chunk pieces and hand the part to the backend as a list of
@@ -21,13 +21,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..config import Config
-from ..format.dtypes import buffer_of, byte_view
+from ..format.dtypes import buffer_of
 from ..format.metadata import Compression
 from ..planning.save_plan import CHUNK_ALIGN, WriteItem
 from ..storage.base import Storage, StreamHandle, WriteHandle
@@ -35,10 +33,8 @@ from .checksum import segment_digests
 from .compress import Packed, Segment, chunk_entry, pack_segment, segment_starts
 from .memcpy import copy_threads
 from .parts import Part, PartRules, plan_parts
+from .sources import ItemSource, StagedParts
 from .timeline import Timeline, timed
-
-if TYPE_CHECKING:
-    from .bounded import Stager
 
 _ZEROS = memoryview(bytes(4096))
 
@@ -59,27 +55,6 @@ class WriteResult:
         return list(self.placed) if self.placed else [(i.byte_offset, None) for i in items]
 
 
-class ItemSource:
-    """The bytes of one write item: a contiguous CPU tensor, or a view to copy from."""
-
-    def __init__(self, view: torch.Tensor) -> None:
-        self.view = view
-        self.direct = view.device.type == "cpu" and view.is_contiguous()
-
-    def contiguous_bytes(self) -> torch.Tensor:
-        t = self.view if self.direct else self.view.to("cpu").contiguous()
-        return byte_view(t)
-
-    def byte_range(self, start: int, nbytes: int, whole: bool) -> torch.Tensor:
-        """Bytes ``[start, start + nbytes)`` of the source in row-major order. A source that
-        is not contiguous CPU memory is copied: whole when ``whole`` (the item is one span),
-        else only the rows that hold the range (pieces of a chunk cut under a part cap)."""
-        if self.direct or whole:
-            return self.contiguous_bytes()[start : start + nbytes]
-        size = self.view.element_size()
-        return byte_view(rows_copy(self.view, start // size, (start + nbytes) // size))
-
-
 def write_file(
     storage: Storage,
     name: str,
@@ -90,7 +65,7 @@ def write_file(
     known: Sequence[tuple[str, ...]] | None = None,
     alongside: Callable[[WriteResult], None] | None = None,
     compress: bool | Sequence[bool] = False,
-    stager: Stager | None = None,
+    stager: StagedParts | None = None,
     timeline: Timeline | None = None,
 ) -> WriteResult:
     """Write ``items`` from ``sources`` into ``name``; durable on return.
@@ -103,7 +78,7 @@ def write_file(
     With ``compress`` (True, or one flag per item), items are compressed first and laid out
     anew (``known`` is not used: the checksums cover the stored bytes); the result's
     ``placed`` says where each lies. With ``stager``, the parts' bytes come from it (copied
-    from the sources through its bounded ring, see :mod:`.bounded`), not from the sources.
+    from the sources through a bounded ring, see :mod:`.ring`), not from the sources.
     ``timeline``, when given, gets the seconds of each phase (see :mod:`.timeline`).
     """
     flags = [compress] * len(items) if isinstance(compress, bool) else list(compress)
@@ -113,23 +88,9 @@ def write_file(
         return _write_compressed(
             storage, name, items, sources, config, progress, alongside, flags, timeline
         )
-    try:
-        return _write_items(
-            storage,
-            name,
-            items,
-            sources,
-            config,
-            progress,
-            known,
-            alongside,
-            True,
-            stager,
-            timeline,
-        )
-    finally:
-        if stager is not None:
-            stager.stop()
+    return _write_items(
+        storage, name, items, sources, config, progress, known, alongside, stager, timeline
+    )
 
 
 def _write_compressed(
@@ -255,11 +216,10 @@ def _write_items(
     progress: Callable[[int, int], None] | None,
     known: Sequence[tuple[str, ...]] | None,
     alongside: Callable[[WriteResult], None] | None,
-    hashing: bool = True,
-    stager: Stager | None = None,
+    stager: StagedParts | None = None,
     timeline: Timeline | None = None,
 ) -> WriteResult:
-    """:func:`write_file` of items as they are stored; ``hashing=False``: no checksums."""
+    """:func:`write_file` of items as they are stored."""
     t0 = time.perf_counter()
     target, small = config.window_bytes, config.small_chunk_bytes
     if stager is not None:  # parts a few of which fit in the ring: chunks above one are cut
@@ -285,15 +245,7 @@ def _write_items(
     try:
         futures = [
             pool.submit(
-                _write_part,
-                handle,
-                part,
-                sources,
-                config.segment_bytes,
-                known,
-                hashing,
-                stager,
-                timeline,
+                _write_part, handle, part, sources, config.segment_bytes, known, stager, timeline
             )
             for part in parts
         ]
@@ -304,8 +256,7 @@ def _write_items(
             if progress is not None:
                 progress(done, total)
         pool.shutdown()
-        sums = _ordered(digests, items, config.segment_bytes) if hashing else ()
-        result = WriteResult(sums, total)
+        result = WriteResult(_ordered(digests, items, config.segment_bytes), total)
         if timeline is not None:
             timeline.add("file", time.perf_counter() - t0)
         with timed(timeline, "complete"):
@@ -359,12 +310,11 @@ def _write_part(
     sources: Sequence[ItemSource],
     segment: int,
     known: Sequence[tuple[str, ...]] | None = None,
-    hashing: bool = True,
-    stager: Stager | None = None,
+    stager: StagedParts | None = None,
     timeline: Timeline | None = None,
 ) -> dict[tuple[int, int], list[str]]:
-    """Hash the part's chunk pieces (unless ``known``, or not ``hashing``) and write it from
-    views of its sources (or of the bytes ``stager`` staged for it)."""
+    """Hash the part's chunk pieces (unless ``known``) and write it from views of its sources
+    (or of the bytes ``stager`` staged for it)."""
     staged = stager.buffers(part) if stager is not None else None
     out: dict[tuple[int, int], list[str]] = {}
     buffers: list[memoryview] = []
@@ -380,9 +330,7 @@ def _write_part(
             size = source.view.numel() * source.view.element_size()
             whole = span.start == 0 and span.nbytes == size
             mv = buffer_of(source.byte_range(span.start, span.nbytes, whole))
-        if not hashing:
-            pass
-        elif known is None:
+        if known is None:
             with timed(timeline, "hash"):
                 out[(span.item, span.start)] = segment_digests(mv, segment)
         else:
@@ -396,22 +344,6 @@ def _write_part(
     if stager is not None:
         stager.release(part)
     return out
-
-
-def rows_copy(
-    view: torch.Tensor, first: int, end: int, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """Elements ``[first, end)`` of ``view`` in row-major order, as a contiguous tensor on
-    ``device``, copying only the leading-dimension rows that hold them (descending into a
-    single row)."""
-    if view.dim() <= 1:
-        return view.reshape(-1)[first:end].to(device).contiguous()
-    inner = max(1, view[0].numel())
-    r0, r1 = first // inner, -(-end // inner)
-    if r1 - r0 == 1:
-        return rows_copy(view[r0], first - r0 * inner, end - r0 * inner, device)
-    rows = view[r0:r1].to(device).contiguous().reshape(-1)
-    return rows[first - r0 * inner : end - r0 * inner]
 
 
 def _count(mv: memoryview, segment: int) -> int:

@@ -16,8 +16,8 @@ import torch
 
 import unickpt
 from tests.distributed import run_ranks
-from unickpt.engine.staging import ARENA
 from unickpt.errors import CheckpointError, CheckpointNotFoundError
+from unickpt.saving.queue import QUEUE
 from unickpt.storage.base import WriteHandle
 from unickpt.storage.local import LocalStorage, LocalWriteHandle
 
@@ -85,14 +85,14 @@ def test_saves_through_rings_of_every_size_hold_every_value(
     state = _state()
     total = sum(v.nbytes for v in state.values())
     for i, budget in enumerate([total // 4, total // 8, 2 * MiB, 3 * MiB + 4096]):
-        ARENA.release()
+        QUEUE.arena.release()
         fut = unickpt.async_save(
-            tmp_path / f"s{i}", state, staging_bytes=budget, background_snapshot=background
+            tmp_path / f"s{i}", state, staging_bytes=budget, zero_stall=background
         )
         fut.wait()
-        assert ARENA.capacity_bytes == budget  # the ring is all the staging memory taken
+        assert QUEUE.arena.capacity_bytes == budget  # the ring is all the staging memory taken
         _assert_equal(_load(tmp_path / f"s{i}", state), state)
-    ARENA.release()
+    QUEUE.arena.release()
 
 
 def test_a_plain_async_save_returns_once_all_but_the_ring_is_written(tmp_path: Path) -> None:
@@ -115,9 +115,7 @@ def test_the_optimizer_step_waits_for_the_staged_copy_and_the_values_of_the_call
     model(torch.randn(4, 1000)).sum().backward()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     storage = GatedStorage(tmp_path / "ckpt")
-    fut = unickpt.async_save(
-        storage, {"model": model}, staging_bytes=2 * MiB, background_snapshot=True
-    )
+    fut = unickpt.async_save(storage, {"model": model}, staging_bytes=2 * MiB, zero_stall=True)
     assert not fut.snapshot_done()  # 8 MB through a 2 MiB ring, no part written yet
     threading.Timer(0.3, storage.gate.set).start()
     opt.step()  # waits for the copy, which waits for the writes the gate holds back
@@ -135,7 +133,7 @@ def test_an_in_place_change_before_its_copy_fails_the_staged_save_naming_the_key
 ) -> None:
     state = {"w": torch.ones(2_000_000), "v": torch.ones(2_000_000)}  # 8 MB each
     storage = GatedStorage(tmp_path / "ckpt")
-    fut = unickpt.async_save(storage, state, staging_bytes=4 * MiB, background_snapshot=True)
+    fut = unickpt.async_save(storage, state, staging_bytes=4 * MiB, zero_stall=True)
     state["v"].add_(1)  # 'v' starts 8 MB into the file: not copied while the writes wait
     storage.gate.set()
     with pytest.raises(CheckpointError, match="'v'"):
@@ -152,7 +150,7 @@ def test_a_failed_write_ends_the_copy_commits_nothing_and_the_next_save_works(
     state = _state()
     storage = GatedStorage(tmp_path / "bad", open_gate=True)
     storage.fail_part = 2
-    fut = unickpt.async_save(storage, state, staging_bytes=2 * MiB, background_snapshot=background)
+    fut = unickpt.async_save(storage, state, staging_bytes=2 * MiB, zero_stall=background)
     with pytest.raises(CheckpointError, match="injected failure writing part 2"):
         fut.wait()
     assert fut.snapshot_done()  # an optimizer step would not hang
@@ -167,16 +165,16 @@ def test_a_failed_write_ends_the_copy_commits_nothing_and_the_next_save_works(
 
 def test_a_checkpointer_saves_within_its_staging_budget(tmp_path: Path) -> None:
     state = _state()
-    ARENA.release()
+    QUEUE.arena.release()
     with unickpt.Checkpointer(tmp_path / "run", staging_bytes=2 * MiB, keep_last=2) as ckpt:
         for step in range(3):
             state["a"].add_(1)
             ckpt.save(step, state).wait()
-        assert ARENA.capacity_bytes == 2 * MiB
+        assert QUEUE.arena.capacity_bytes == 2 * MiB
         out = {k: torch.zeros_like(v) for k, v in state.items()}
         assert ckpt.load_latest(out) == 2
     _assert_equal(out, state)
-    ARENA.release()
+    QUEUE.arena.release()
 
 
 def test_a_ring_smaller_than_the_storage_parts_is_refused_with_the_budget_it_needs(
@@ -214,7 +212,7 @@ def _staged_on_ranks(rank: int, world: int, root: str, fail: bool) -> dict[str, 
     storage = GatedStorage(f"{root}/ckpt", open_gate=True)
     if fail and rank == 1:
         storage.fail_part = 2
-    fut = unickpt.async_save(storage, state, staging_bytes=2 * MiB, background_snapshot=True)
+    fut = unickpt.async_save(storage, state, staging_bytes=2 * MiB, zero_stall=True)
     try:
         fut.wait()
     except CheckpointError as e:

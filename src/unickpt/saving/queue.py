@@ -90,22 +90,21 @@ class Turn:
         else:
             self.future.set_result(result)
 
-    def run(self, work: Callable[[], Any]) -> None:
-        """Run ``work`` (after the saves before this one), then end with its outcome."""
-        try:
-            self.wait()
-            result = work()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
-            self.end(error=e)
-        else:
-            self.end(result)
-
     def run_in_background(self, work: Callable[[], Any]) -> None:
-        """:meth:`run` on a thread of its own. Not a daemon: an interpreter that exits joins
-        it, so a save is never cut off midway."""
-        threading.Thread(
-            target=self.run, args=(work,), name="unickpt-async-save", daemon=False
-        ).start()
+        """Run ``work`` on a thread of its own once the saves before this one have ended, then
+        end with its outcome. Not a daemon: an interpreter that exits joins it, so a save is
+        never cut off midway."""
+
+        def run() -> None:
+            try:
+                self.wait()
+                result = work()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                self.end(error=e)
+            else:
+                self.end(result)
+
+        threading.Thread(target=run, name="unickpt-async-save", daemon=False).start()
 
 
 class SaveQueue:

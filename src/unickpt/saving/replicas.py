@@ -9,7 +9,8 @@ holding infinities or NaNs pass), naming the key and the largest difference in v
 replicated, with their shapes, from the save's own planning step, so no exchange is added to a
 save without replicated tensors; one with them costs one all-reduce per kind of reduction, of
 the replicated tensors' elements (as float64 for a mean, as int64 bit patterns for a check,
-and a second, as float64, to name a difference found).
+and a second, as float64, to name a difference found): each rank gives its copies, the
+reductions run back to back, then every rank reads the same outcome from them.
 """
 
 from __future__ import annotations
@@ -43,10 +44,14 @@ def reduce_replicas(comm: Comm, flat: Flattened, specs: Sequence[tuple[ReplicaSp
     agreed = _agree(specs)
     checks = [a for a in agreed if a.spec.reduce == "check"]
     means = [a for a in agreed if a.spec.reduce == "mean"]
+    mine, inverted = _bits(flat, checks)
+    copies = _values(flat, means, 0.0)
+    both = comm.max_across(np.concatenate([mine, inverted])) if checks else mine
+    total = comm.sum_across(copies) if means else copies
     if checks:
-        _check(comm, flat, checks)
+        _check(comm, flat, checks, both[: len(mine)] != ~both[len(mine) :])
     if means:
-        _average(comm, flat, means)
+        _replace_by_means(flat, means, total)
 
 
 def _agree(specs: Sequence[tuple[ReplicaSpec, ...]]) -> list[_Agreed]:
@@ -83,13 +88,11 @@ def _values(flat: Flattened, agreed: list[_Agreed], fill: float) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float64)
 
 
-def _check(comm: Comm, flat: Flattened, agreed: list[_Agreed]) -> None:
-    """Refuse the save where the copies of a key differ in any bit; identical copies pass,
-    infinities and NaNs included. Per key, the message names the largest difference in value
-    among the elements that differ."""
-    mine, inverted = _bits(flat, agreed)
-    both = comm.max_across(np.concatenate([mine, inverted]))
-    differ = both[: len(mine)] != ~both[len(mine) :]  # max != min: the max of ~x is ~min
+def _check(comm: Comm, flat: Flattened, agreed: list[_Agreed], differ: np.ndarray) -> None:
+    """Refuse the save where the copies of a key differ in any bit (``differ``, per word:
+    its maximum over the holders is not its minimum, the max of ``~x`` being ``~min``);
+    identical copies pass, infinities and NaNs included. Per key, the message names the largest
+    difference in value among the elements that differ (a second reduction, run only then)."""
     if not differ.any():
         return
     x = _values(flat, agreed, -np.inf)
@@ -173,9 +176,9 @@ def _ranks(ranks: tuple[int, ...]) -> str:
     return shown + (" ..." if len(ranks) > 8 else "")
 
 
-def _average(comm: Comm, flat: Flattened, agreed: list[_Agreed]) -> None:
-    """Replace this rank's copy of each key, for the save only, by the mean of all copies."""
-    total = comm.sum_across(_values(flat, agreed, 0.0))
+def _replace_by_means(flat: Flattened, agreed: list[_Agreed], total: np.ndarray) -> None:
+    """Replace this rank's copy of each key, for the save only, by the mean of all copies
+    (``total``: their sum)."""
     start = 0
     for a in agreed:
         part = total[start : start + a.numel]

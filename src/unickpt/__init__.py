@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         DistributedCheckpointError,
         UnsafeObjectError,
     )
+    from .launch.recover import recover
     from .layouts.leaves import FlatShard, Fused, Padded, PerRank, Replicated, ShardedTensor
     from .layouts.rules import fused_glu, fused_qkv, padded_vocab, replicated
     from .rng import RNGState
@@ -68,6 +69,7 @@ _LAZY = {
     "replicated": ".layouts.rules",
     "MemoryTier": ".tiers.memory",
     "RNGState": ".rng",
+    "recover": ".launch.recover",
 }
 
 
@@ -116,6 +118,7 @@ __all__ = [
     "get_config",
     "load",
     "padded_vocab",
+    "recover",
     "replicated",
     "save",
     "wait_pending",

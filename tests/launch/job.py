@@ -34,9 +34,7 @@ from unickpt.launch import current_epoch
 
 def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     return model, torch.optim.Adam(model.parameters(), lr=0.01)
 
 
@@ -50,12 +48,20 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, ra
     return float(loss.item())
 
 
+def ddp(model: torch.nn.Module) -> DistributedDataParallel:
+    """DDP whose gradient buckets keep their first layout: by default it lays them out again
+    after the first iteration, so a rank resumed in a new DDP would sum one step's gradients
+    in another order than an undisturbed run, and differ in the last bits (a restart of any
+    kind does)."""
+    return DistributedDataParallel(model, find_unused_parameters=True)
+
+
 def reference(rank: int, world: int, steps: int) -> list[str]:
     """The losses of an undisturbed run on ``world`` ranks (a rank of ``run_ranks``)."""
     torch.set_num_threads(1)
     model, opt = model_and_optimizer()
-    ddp = DistributedDataParallel(model)
-    return [train_step(ddp, opt, step, rank).hex() for step in range(steps)]
+    wrapped = ddp(model)
+    return [train_step(wrapped, opt, step, rank).hex() for step in range(steps)]
 
 
 class Gate:
@@ -98,18 +104,20 @@ def train(cfg: dict[str, Any]) -> int:
     with open(out / "epochs.jsonl", "a") as f:
         f.write(json.dumps({"epoch": epoch.epoch, "rank": rank, "pid": os.getpid()}) + "\n")
     model, opt = model_and_optimizer()
-    ddp = DistributedDataParallel(model)
+    wrapped = ddp(model)
     gate = Gate(cfg, rank)
-    state = {"model": ddp.module, "optim": opt, "gate": gate}
+    state = {"model": model, "optim": opt, "gate": gate}
     tier = unickpt.MemoryTier(persist_every=cfg.get("persist_every", 3), replicas=2)
     ckpt = unickpt.Checkpointer(cfg["root"], keep_last=2, memory=tier)
     last = ckpt.load_latest(state)
     source = ckpt.last_restore.source if ckpt.last_restore else "none"
     with open(out / "epochs.jsonl", "a") as f:
-        f.write(json.dumps({"epoch": epoch.epoch, "rank": rank, "restored": last, "source": source}))
+        f.write(
+            json.dumps({"epoch": epoch.epoch, "rank": rank, "restored": last, "source": source})
+        )
         f.write("\n")
     for step in range(0 if last is None else last + 1, cfg["steps"]):
-        loss = train_step(ddp, opt, step, rank)
+        loss = train_step(wrapped, opt, step, rank)
         with open(out / f"loss-{rank}.jsonl", "a") as f:
             line = {"step": step, "loss": loss.hex(), "epoch": epoch.epoch, "pid": os.getpid()}
             f.write(json.dumps(line) + "\n")
@@ -124,6 +132,8 @@ def train(cfg: dict[str, Any]) -> int:
 
 
 if __name__ == "__main__":
-    import faulthandler, signal
+    import faulthandler
+    import signal
+
     faulthandler.register(signal.SIGUSR2, all_threads=True)
     unickpt.recover(train, json.loads(Path(sys.argv[1]).read_text()))

@@ -161,6 +161,7 @@ class _Node:
         if e.code == 0 and not self.store.has(f"recover/{e.slot}"):
             self.store.count(f"exit0/{m.epoch}", 1)  # a script without recover finished
             return
+        self.store.count(f"ndead/{m.epoch}", 1)
         fault = {"why": "fault", "slot": e.slot, "rank": m.ranks[e.slot], "code": e.code}
         self.store.first(f"end/{m.epoch}", {**fault, "pid": e.pid, "at": time.time()})
         log.warning(

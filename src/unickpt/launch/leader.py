@@ -74,8 +74,8 @@ class Leader:
 
     def _joining(self) -> None:
         m = self._m()
-        lost = [s for s in m.ranks if self.store.has(f"dead/{s}")]
-        if lost:
+        if self.store.count(f"ndead/{m.epoch}"):
+            lost = [s for s in m.ranks if self.store.has(f"dead/{s}")]
             who = ", ".join(f"rank {m.ranks[s]} (slot {s})" for s in lost)
             self._restart(f"{who} died while epoch {m.epoch} formed (a failure during recovery)")
         elif self.store.count(f"joined/{m.epoch}") >= m.world_size:
@@ -113,6 +113,9 @@ class Leader:
 
     def _gathering(self) -> None:
         m = self._m()
+        heard = self.store.count(f"nleft/{m.epoch}") + self.store.count(f"ndead/{m.epoch}")
+        if heard < m.world_size and not self._late():
+            return  # counters first: a look at every rank's keys once all may be in
         lost, waiting = [], []
         for s in m.ranks:
             if self.store.has(f"dead/{s}"):

@@ -269,6 +269,7 @@ class _Process:
         self.left = {"fault_at": verdict["at"], "seen_at": watcher.seen_at, "left_at": time.time()}
         self.left["failed_rank"] = verdict.get("rank")
         self.store.put(f"left/{m.epoch}/{self.slot}", self.left)
+        self.store.count(f"nleft/{m.epoch}", 1)
         return False, None
 
     def _join(self, m: Membership, rank: int) -> None:

@@ -18,6 +18,8 @@ key                         written by, meaning
 ``dead/<slot>``             the slot's launcher: the process exited (its status)
 ``recover/<slot>``          the process: it runs :func:`unickpt.recover`
 ``left/<e>/<slot>``         a survivor: it left epoch ``e`` (groups torn down, work ended)
+``nleft/<e>``, ``ndead/<e>``  counters: ranks of ``e`` that left; that died (the leader
+                            looks at each rank's keys once they add up)
 ``joined/<e>``, ``done/<e>``  counters: ranks whose process group of ``e`` formed; whose
                             training function returned
 ``exit0/<e>``               counter: workers of ``e`` that exited with status 0

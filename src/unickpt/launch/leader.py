@@ -13,8 +13,9 @@ launcher's loop. States, for the current epoch ``e``:
   job is over;
 - **gathering**: once every rank of ``e`` either left (``left/<e>/<slot>``) or died, publish
   ``e + 1``: the survivors keep their ranks, spares take the lost ones (:func:`.plan.replace`);
-  then *joining*. No spare left, a survivor that does not run :func:`unickpt.recover`, or one
-  that does not leave within the timeout: a full restart.
+  then *joining*. No spare left (seen at the failure already when there is none at all), a
+  survivor that does not run :func:`unickpt.recover`, or one that does not leave within the
+  timeout: a full restart.
 
 A full restart starts generation ``g + 1`` (every launcher stops its processes and starts new
 ones: the memory tier restores them), at most ``max_restarts`` times; then the job fails.
@@ -110,6 +111,9 @@ class Leader:
             end.get("slot"),
             end.get("code"),
         )
+        dead = [s for s in slots(m.gen, self.nodes) if self.store.has(f"dead/{s}")]
+        if not spares(m, self.nodes, dead):  # nothing to wait for: restart at once
+            self._restart(str(replace(m, [end["slot"]], [], "")))
 
     def _gathering(self) -> None:
         m = self._m()

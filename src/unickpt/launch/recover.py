@@ -57,6 +57,10 @@ _HOLD_DEFAULT_GROUP = (
     "torch.distributed.optim.zero_redundancy_optimizer",
     "torch.distributed.fsdp.sharded_grad_scaler",
 )
+# What a training function imports at its first Checkpointer (DTensor, DCP and FSDP under
+# unickpt.api) and at its first optimizer (torch._dynamo, with inductor under it): seconds of
+# CPU that a spare spends before it is needed, not while the survivors wait for it.
+_WARM = ("unickpt.api", "unickpt.checkpointer", "unickpt.tiers.policy", "torch._dynamo")
 # How long an error of ``train`` waits for a failure elsewhere to explain it (a collective
 # fails before the dead process's launcher has said so) before it counts as this rank's own.
 EXPLAIN_S = 10.0
@@ -64,13 +68,14 @@ EXPLAIN_S = 10.0
 
 @dataclass(frozen=True)
 class Recovery:
-    """How this process's entry into its membership went after a failure, as Unix times:
-    the failure announced (by the launcher that saw the process die), seen here, left (the
-    old groups torn down, the old saves ended) and joined (the new process group formed).
-    ``left_at`` is None in a replacement (a spare until then)."""
+    """How this process came into its membership after a failure, as Unix times: the failure
+    announced (by the launcher that saw the process die; None when no process died, as when a
+    membership did not form in time), seen here and left (the old groups torn down, the old
+    saves ended: a survivor's; a replacement saw it only, a restarted process neither), and
+    joined (the new process group formed)."""
 
-    fault_at: float
-    seen_at: float
+    fault_at: float | None
+    seen_at: float | None
     left_at: float | None
     joined_at: float
     failed_rank: int | None
@@ -79,8 +84,8 @@ class Recovery:
 @dataclass(frozen=True)
 class Epoch:
     """The membership this process trains in: its number, this rank, the world, how this
-    process came in (``"start"``, ``"survivor"`` or ``"replacement"``; a full restart starts
-    anew), and the recovery that led here (None at a start)."""
+    process came in (``"start"``, ``"survivor"``, ``"replacement"``, or ``"restart"``: a new
+    process of a full restart), and the recovery that led here (None at the job's start)."""
 
     epoch: int
     rank: int
@@ -132,7 +137,7 @@ def recover(train: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         )
     if threading.current_thread() is not threading.main_thread():
         raise RecoveryError("recover runs in the main thread (it interrupts it when a rank fails).")
-    for name in _HOLD_DEFAULT_GROUP:
+    for name in (*_HOLD_DEFAULT_GROUP, *_WARM):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     host, port = where.rsplit(":", 1)
@@ -291,17 +296,21 @@ class _Process:
         self.store.count(f"joined/{m.epoch}", 1)
 
     def _came_as(self) -> str:
-        return "survivor" if self.trained else "replacement" if self.left else "start"
+        if self.trained:
+            return "survivor"
+        if self.left:
+            return "replacement"
+        return "start" if self.gen == 0 else "restart"
 
     def _recovery(self, m: Membership) -> Recovery | None:
-        """The recovery that led into ``m`` (None when ``m`` starts a generation)."""
-        if m.epoch == self.first:
+        """The recovery that led into ``m`` (None at the job's start)."""
+        if m.epoch == 0:
             return None
         end = self.store.peek(f"end/{m.epoch - 1}") or {}
         left = self.left or {}
         return Recovery(
-            fault_at=float(end.get("at", 0.0)),
-            seen_at=float(left.get("seen_at", end.get("at", 0.0))),
+            fault_at=end.get("at"),
+            seen_at=left.get("seen_at"),
             left_at=left.get("left_at"),
             joined_at=time.time(),
             failed_rank=end.get("rank"),

@@ -43,11 +43,11 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-import torch._dynamo  # noqa: E402, F401 - the optimizer's import, counted with the others
+import torch._dynamo  # noqa: E402 - the optimizer's import, counted with the others
 import torch.distributed as dist  # noqa: E402
 
 import unickpt  # noqa: E402
-import unickpt.checkpointer  # noqa: E402, F401 - the Checkpointer's imports, counted likewise
+import unickpt.checkpointer  # noqa: E402 - the Checkpointer's imports, counted likewise
 from unickpt.launch import current_epoch  # noqa: E402
 
 _T_RECOVER = 0.0  # when the script calls unickpt.recover

@@ -496,14 +496,14 @@ def main() -> None:
         f"{cal['storage'] * 1e3:.0f}/{cal['storage_big'] * 1e3:.0f} ms, memory tier "
         f"{cal['memory'] * 1e3:.0f}/{cal['memory_big'] * 1e3:.0f} ms):"
     )
-    print("| policy | interval | stall per save | lost per failure | goodput |")
-    print("| --- | --- | --- | --- | --- |")
     print(
         f"in place: a restart costs {ratio:.2f}x a cold one (median restart here: in place "
         f"{warm:.2f} s, memory tier {cold:.2f} s), so {a['scale_restart_s'] * ratio:.0f} s at "
         f"scale; GPU stall {GPU_STALL_S_PER_GB * a['scale_gib_per_gpu'] * 2**30 / 1e9 * 1e3:.0f} "
         "ms (an H100's device-to-host snapshot, docs/benchmarks.md):"
     )
+    print("| policy | interval | stall per save | lost per failure | goodput |")
+    print("| --- | --- | --- | --- | --- |")
     for line in scale_model(cal, a, ratio):
         print(line)
     if args.json:

@@ -144,6 +144,7 @@ class _Node:
         if slot_parts(e.slot)[0] != self.procs.gen:
             return  # a process of an older generation, stopped for a full restart
         self.store.put(f"dead/{e.slot}", {"code": e.code, "pid": e.pid})
+        self.store.count("deaths", 1)
         if self.store.has("over"):
             self.failed = self.failed or e.code != 0
             return

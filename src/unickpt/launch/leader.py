@@ -47,6 +47,7 @@ class Leader:
         self.state = "starting"
         self.since = time.monotonic()
         self.fault_at = 0.0
+        self.deaths = -1  # the launchers' count of exits, when last looked at
         self.code: int | None = None  # the job's exit status once it is over
 
     def begin(self) -> None:
@@ -75,8 +76,12 @@ class Leader:
 
     def _joining(self) -> None:
         m = self._m()
-        if self.store.count(f"ndead/{m.epoch}"):
+        deaths = self.store.count("deaths")
+        lost = []
+        if deaths != self.deaths:  # a process died (maybe before it knew it was a member)
+            self.deaths = deaths
             lost = [s for s in m.ranks if self.store.has(f"dead/{s}")]
+        if lost:
             who = ", ".join(f"rank {m.ranks[s]} (slot {s})" for s in lost)
             self._restart(f"{who} died while epoch {m.epoch} formed (a failure during recovery)")
         elif self.store.count(f"joined/{m.epoch}") >= m.world_size:

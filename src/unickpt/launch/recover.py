@@ -125,7 +125,7 @@ def recover(train: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     ...     unickpt.recover(train, 1000)
 
     Run with ``unickpt run --nproc-per-node 4 --spares 1 train.py`` (docs/recovery.md). A
-    spare returns never: it exits once the job is done.
+    spare never returns: it exits (status 0) once the job is done.
     """
     where, slot = os.environ.get(STORE_ENV), os.environ.get(SLOT_ENV)
     if where is None or slot is None:

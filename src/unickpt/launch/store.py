@@ -15,7 +15,8 @@ key                         written by, meaning
 ``epoch/<e>``, ``current``  leader: membership ``e`` (slot -> rank), the newest published
 ``end/<e>``                 first writer wins: ``fault`` (a launcher whose worker died) or
                             ``finished`` (the leader, once every rank's function returned)
-``dead/<slot>``             the slot's launcher: the process exited (its status)
+``dead/<slot>``, ``deaths``  the slot's launcher: the process exited (its status); how many
+                            processes of the job exited
 ``recover/<slot>``          the process: it runs :func:`unickpt.recover`
 ``left/<e>/<slot>``         a survivor: it left epoch ``e`` (groups torn down, work ended)
 ``nleft/<e>``, ``ndead/<e>``  counters: ranks of ``e`` that left; that died (the leader

@@ -1,9 +1,10 @@
-"""A training script for ``unickpt run``: a small DDP model, a memory tier, and points where a
-rank waits until the test kills or interrupts it.
+"""A training script for ``unickpt run``: a small model under DDP or FSDP2, a memory tier, and
+points where a rank waits until the test kills or interrupts it.
 
 ``python job.py CONFIG`` (a JSON file): ``root`` (the Checkpointer's root), ``out`` (where the
-ranks write), ``steps``, and ``waits``: ``{tag: {"step": s, "rank": r, "where": w}}``, each
-taken once in the whole run (the first rank to reach it writes ``out/<tag>`` with its pid):
+ranks write), ``steps``, ``model`` (``"ddp"`` or ``"fsdp2"``), and ``waits``:
+``{tag: {"step": s, "rank": r, "where": w}}``, each taken once in the whole run (the first rank
+to reach it writes ``out/<tag>`` with its pid):
 
 - ``after_save``: after step ``s``'s save is committed, sleep until killed;
 - ``in_save``: inside step ``s``'s save (the state's ``gate`` object is being captured),
@@ -26,16 +27,31 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import unickpt
 from unickpt.launch import current_epoch
 
 
-def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def model_and_optimizer(kind: str = "ddp") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model wrapped for this membership's process group (DDP, or FSDP2 over a mesh of
+    every rank), and its optimizer."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+    if kind == "fsdp2":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+    # DDP whose gradient buckets keep their first layout: by default it lays them out again
+    # after the first iteration, so a rank resumed in a new DDP would sum one step's gradients
+    # in another order than an undisturbed run, and differ in the last bits (a restart of any
+    # kind does).
+    wrapped = DistributedDataParallel(model, find_unused_parameters=True)
+    return wrapped, torch.optim.Adam(model.parameters(), lr=0.01)
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> float:
@@ -48,20 +64,11 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, ra
     return float(loss.item())
 
 
-def ddp(model: torch.nn.Module) -> DistributedDataParallel:
-    """DDP whose gradient buckets keep their first layout: by default it lays them out again
-    after the first iteration, so a rank resumed in a new DDP would sum one step's gradients
-    in another order than an undisturbed run, and differ in the last bits (a restart of any
-    kind does)."""
-    return DistributedDataParallel(model, find_unused_parameters=True)
-
-
-def reference(rank: int, world: int, steps: int) -> list[str]:
+def reference(rank: int, world: int, steps: int, kind: str = "ddp") -> list[str]:
     """The losses of an undisturbed run on ``world`` ranks (a rank of ``run_ranks``)."""
     torch.set_num_threads(1)
-    model, opt = model_and_optimizer()
-    wrapped = ddp(model)
-    return [train_step(wrapped, opt, step, rank).hex() for step in range(steps)]
+    model, opt = model_and_optimizer(kind)
+    return [train_step(model, opt, step, rank).hex() for step in range(steps)]
 
 
 class Gate:
@@ -103,8 +110,7 @@ def train(cfg: dict[str, Any]) -> int:
     out = Path(cfg["out"])
     with open(out / "epochs.jsonl", "a") as f:
         f.write(json.dumps({"epoch": epoch.epoch, "rank": rank, "pid": os.getpid()}) + "\n")
-    model, opt = model_and_optimizer()
-    wrapped = ddp(model)
+    model, opt = model_and_optimizer(cfg.get("model", "ddp"))
     gate = Gate(cfg, rank)
     state = {"model": model, "optim": opt, "gate": gate}
     tier = unickpt.MemoryTier(persist_every=cfg.get("persist_every", 3), replicas=2)
@@ -117,7 +123,7 @@ def train(cfg: dict[str, Any]) -> int:
         )
         f.write("\n")
     for step in range(0 if last is None else last + 1, cfg["steps"]):
-        loss = train_step(wrapped, opt, step, rank)
+        loss = train_step(model, opt, step, rank)
         with open(out / f"loss-{rank}.jsonl", "a") as f:
             line = {"step": step, "loss": loss.hex(), "epoch": epoch.epoch, "pid": os.getpid()}
             f.write(json.dumps(line) + "\n")

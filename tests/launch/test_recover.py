@@ -38,10 +38,13 @@ def _port() -> int:
 class Run:
     """One job under ``unickpt run``: one launcher per node, its log, the ranks' records."""
 
-    def __init__(self, tmp: Path, nodes: list[tuple[str, int, int]], steps: int, waits: dict):
+    def __init__(
+        self, tmp: Path, nodes: list[tuple[str, int, int]], steps: int, waits: dict, model: str
+    ) -> None:
         self.tmp, self.out = tmp, tmp / "out"
         self.out.mkdir()
         cfg = {"root": str(tmp / "root"), "out": str(self.out), "steps": steps, "waits": waits}
+        cfg["model"] = model
         (tmp / "cfg.json").write_text(json.dumps(cfg))
         port = _port()
         self.logs = [tmp / f"{name}.log" for name, _, _ in nodes]
@@ -138,7 +141,7 @@ def test_failures_between_saves_in_a_save_without_spares_and_while_recovering(
         "no-spare": {"step": 6, "rank": 0, "where": "after_save"},
         "recovering": {"step": 8, "rank": 0, "where": "after_save"},
     }
-    run = Run(tmp_path, [("a", 1, 1), ("b", 1, 1)], 11, waits)
+    run = Run(tmp_path, [("a", 1, 1), ("b", 1, 1)], 11, waits, "ddp")
     try:
         # Rank 0 dies between saves while rank 1 sleeps outside any collective: rank 1 is
         # interrupted, and node a's spare takes rank 0.
@@ -185,9 +188,11 @@ def test_failures_between_saves_in_a_save_without_spares_and_while_recovering(
 
 @pytest.mark.slow
 def test_a_lost_node_is_replaced_by_spares_of_another_node(tmp_path: Path) -> None:
-    reference = run_ranks(4, job.reference, 6)
+    """FSDP2 on a mesh of every rank: its DTensors' layouts (cached by mesh) and groups are
+    made anew in the next membership."""
+    reference = run_ranks(4, job.reference, 6, "fsdp2")
     waits = {f"lost-{r}": {"step": 3, "rank": r, "where": "after_save"} for r in (2, 3)}
-    run = Run(tmp_path, [("a", 2, 2), ("b", 2, 0)], 6, waits)
+    run = Run(tmp_path, [("a", 2, 2), ("b", 2, 0)], 6, waits, "fsdp2")
     try:
         lost = [run.marker("lost-2"), run.marker("lost-3")]
         for pid in lost:

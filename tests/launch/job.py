@@ -141,5 +141,5 @@ if __name__ == "__main__":
     import faulthandler
     import signal
 
-    faulthandler.register(signal.SIGUSR2, all_threads=True)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # kill -USR2: where a rank hangs
     unickpt.recover(train, json.loads(Path(sys.argv[1]).read_text()))

@@ -29,8 +29,11 @@ if TYPE_CHECKING:
         CheckpointNotFoundError,
         CheckpointVersionError,
         DistributedCheckpointError,
+        MembershipChanged,
+        RecoveryError,
         UnsafeObjectError,
     )
+    from .launch.recover import recover
     from .layouts.leaves import FlatShard, Fused, Padded, PerRank, Replicated, ShardedTensor
     from .layouts.rules import fused_glu, fused_qkv, padded_vocab, replicated
     from .rng import RNGState
@@ -55,6 +58,8 @@ _LAZY = {
     "CheckpointNotFoundError": ".errors",
     "CheckpointVersionError": ".errors",
     "DistributedCheckpointError": ".errors",
+    "MembershipChanged": ".errors",
+    "RecoveryError": ".errors",
     "UnsafeObjectError": ".errors",
     "FlatShard": ".layouts.leaves",
     "Fused": ".layouts.leaves",
@@ -68,6 +73,7 @@ _LAZY = {
     "replicated": ".layouts.rules",
     "MemoryTier": ".tiers.memory",
     "RNGState": ".rng",
+    "recover": ".launch.recover",
 }
 
 
@@ -102,10 +108,12 @@ __all__ = [
     "DistributedCheckpointError",
     "FlatShard",
     "Fused",
+    "MembershipChanged",
     "MemoryTier",
     "Padded",
     "PerRank",
     "RNGState",
+    "RecoveryError",
     "Replicated",
     "SaveFuture",
     "ShardedTensor",
@@ -116,6 +124,7 @@ __all__ = [
     "get_config",
     "load",
     "padded_vocab",
+    "recover",
     "replicated",
     "save",
     "wait_pending",

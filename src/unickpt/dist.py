@@ -29,9 +29,16 @@ _GROUPS: dict[tuple[int, ...], OwnGroup] = {}  # the groups of Comm, by global r
 _OWNED: list[OwnGroup] = []  # every live group unickpt made, released at interpreter exit
 _GROUPS_LOCK = threading.Lock()
 _MAKING = threading.RLock()  # groups are made (a collective) by one thread at a time
+_GENERATION = 0  # how many times this process's job changed its membership (reset_groups)
+_ON_RESET: list[Callable[[], None]] = []  # caches of a membership, cleared by reset_groups
 _RELEASED = (
     "unickpt's process groups were released (at interpreter exit, or by "
     "unickpt.dist.release_groups()); save and load before the interpreter exits."
+)
+_CHANGED = (
+    "the job's membership changed (a process failed and unickpt.recover re-formed the process "
+    "groups without it): this save, load or Checkpointer belongs to the old membership. Make "
+    "the Checkpointer again inside the training function that recover calls."
 )
 _DESTROYED = (
     "the process group this save, load or Checkpointer was made with was destroyed by "
@@ -91,6 +98,13 @@ class OwnGroup:
         """Not released, and still known to torch (``destroy_process_group()`` forgets it)."""
         return self._pg is not None and _registered(self._pg)
 
+    def forget(self) -> Any:
+        """Let go of the group without destroying it (every later use raises); torch's group
+        object, for the caller to drop where its destruction may wait (see
+        :func:`reset_groups`)."""
+        pg, self._pg, self._why = self._pg, None, _CHANGED
+        return pg
+
     def release(self) -> None:
         """Destroy the group (unless torch already did); every later use raises."""
         pg, self._pg, self._why = self._pg, None, _RELEASED
@@ -140,6 +154,38 @@ def machine_id() -> str | None:
             return f.read().strip()
     except OSError:
         return None
+
+
+def reset_groups() -> list[Any]:
+    """Forget every process group unickpt made, and every cache of the job's membership, after
+    the membership changed (a process died, and the survivors form new groups without it in
+    the same processes: :func:`unickpt.recover`). Returns torch's group objects, not destroyed:
+    a gloo group's destruction waits for its collectives in flight, which end only once the
+    peers' groups are gone too, so the caller drops them where waiting is harmless. Every later
+    use of an old group (a Checkpointer, a pending save's thread) raises. Bumps
+    :func:`generation`."""
+    global _GENERATION
+    with _GROUPS_LOCK:  # not _MAKING: a thread making a group of the old membership may hang
+        owned = list(_OWNED)
+        _OWNED.clear()
+        _GROUPS.clear()
+        _GENERATION += 1
+    dropped = [group.forget() for group in owned]
+    for hook in list(_ON_RESET):
+        hook()
+    return [pg for pg in dropped if pg is not None]
+
+
+def on_reset(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at every :func:`reset_groups`: a process-wide cache made for one membership
+    of the job clears itself there."""
+    _ON_RESET.append(hook)
+
+
+def generation() -> int:
+    """How many times this process's job changed its membership (:func:`reset_groups`): what
+    a process held for an older generation (the root's lock) it may take over."""
+    return _GENERATION
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 
 from .._version import __version__
 from ..config import Config
-from ..dist import Comm, RankFailure, failure_of, raise_failures, run_step
+from ..dist import Comm, RankFailure, failure_of, on_reset, raise_failures, run_step
 from ..encoding.rowwise import ErrorSums
 from ..encoding.saving import (
     EncodedTable,
@@ -67,6 +67,7 @@ from .write import ItemSource, WriteResult, write_file
 log = logging.getLogger(__name__)
 
 _PLAN_CACHE: dict[str, GlobalPlan] = {}
+on_reset(_PLAN_CACHE.clear)  # a plan of the job's old membership is never offered again
 
 
 def _plan_key(signatures: tuple[str, ...]) -> str:

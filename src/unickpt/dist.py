@@ -240,13 +240,13 @@ class Comm:
             dist.gather_object(obj, out, dst=self._global_ranks[0], group=self._pg)
         return out
 
-    def broadcast(self, obj: T) -> T:
-        """The coordinator's ``obj`` on every rank."""
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        """Rank ``src``'s ``obj`` (the coordinator's by default) on every rank."""
         if self._pg is None:
             return obj
         box = [obj]
         with self._peers_lost("broadcast"):
-            dist.broadcast_object_list(box, src=self._global_ranks[0], group=self._pg)
+            dist.broadcast_object_list(box, src=self._global_ranks[src], group=self._pg)
         return box[0]
 
     def max_across(self, values: np.ndarray) -> np.ndarray:

@@ -19,11 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from ..format.chunk_map import build_chunk_map
 from ..format.codec import encode_index, encode_metadata
 from ..format.metadata import ChunkMeta, FileRef, Metadata, TensorMeta
-from .packed import PackedPlan, encode_rest
-from .save_plan import GlobalPlan, build_global_plan
+from .packed import PackedPlan, encode_rest, pack_single
+from .save_plan import GlobalPlan, build_global_plan, rank_loads
 
 
 def split(n: np.ndarray, parts: int, i: int) -> tuple[np.ndarray, np.ndarray]:
@@ -41,7 +40,7 @@ def _local_plan(rank: int, ranks: int, tp: int, table: bytes, shapes: np.ndarray
     c0, cn = split(shapes[:, 1], tp, t)
     held = (rn > 0) & (cn > 0)
     coords = np.stack([r0, c0, rn, cn], axis=1)[held]
-    return PackedPlan(table, held.astype(np.int64), coords, encode_rest((), (), {}))
+    return pack_single(table, held, coords, encode_rest((), (), {}))
 
 
 @dataclass(frozen=True)
@@ -87,12 +86,11 @@ def simulate_save(ranks: int = 4096, tensors: int = 2000, tp: int = 8) -> Simula
         indexes[rank] = encode_rank_index(plan, rank)
     index_s = clock.lap() / len(sample)
     refs = [
-        FileRef(f"data-0-{r:05d}.bin", plan.file_bytes(r), "i", len(indexes.get(r, b"")), "0")
-        for r in range(ranks)
+        FileRef(f"data-0-{r:05d}.bin", nbytes, "i", len(indexes.get(r, b"")), "0")
+        for r, nbytes in enumerate(rank_loads(plan))
     ]
     clock.lap()
-    ndims = {k: len(shape) for k, (_, shape, _) in plan.tensors.items()}
-    chunk_map = build_chunk_map(ndims, plan.names, plan.box_keys, plan.box_coords, plan.box_writers)
+    chunk_map = plan.chunk_map(np.arange(ranks))
     meta = Metadata(
         world_size=ranks,
         files=tuple(r.data for r in refs),

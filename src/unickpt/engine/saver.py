@@ -72,7 +72,18 @@ from .write import ItemSource, WriteResult, write_file
 
 log = logging.getLogger(__name__)
 
-_PLAN_CACHE: dict[str, GlobalPlan] = {}
+
+@dataclass(frozen=True)
+class _CachedPlan:
+    """The plan of the last structure saved, with this rank's signature and the share size
+    it was made with."""
+
+    plan: GlobalPlan
+    signature: str
+    share_bytes: int
+
+
+_PLAN_CACHE: dict[str, _CachedPlan] = {}
 on_reset(_PLAN_CACHE.clear)  # a plan of the job's old membership is never offered again
 
 
@@ -177,32 +188,51 @@ def prepare(
         shared = (packed.signature(), cached_key, extra, ids, replica_specs(flat))
         return (flat, packed, values, per_rank), shared
 
+    local: Any = None
+    mine: Any = None
+    failure: RankFailure | None = None
+    caught: BaseException | None = None
     try:
-        (flat, plan, values, per_rank), shared = run_step(comm, "planning the save", describe)
-        save_id, share_bytes = shared[0][2]
-        key = _plan_key((*(s for s, *_ in shared), str(share_bytes)))
-        cached = all(c == key for _, c, *_ in shared)
-        reduce_replicas(comm, flat, [r for *_, r in shared])  # Replicated tensors, if any
-        global_plan = _PLAN_CACHE.get(key) if cached else None
-        if global_plan is None:
-            global_plan = _agree_on_plan(comm, plan, [s[3] for s in shared], share_bytes)
-            _PLAN_CACHE.clear()
-            _PLAN_CACHE[key] = global_plan
+        try:
+            local, mine = describe()
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            failure, caught = failure_of(comm.rank, e), e
+        reused = _reused_plan(comm, mine if failure is None else None)
+        cached = reused is not None
+        if reused is not None:
+            (save_id, share_bytes), global_plan = reused
+        else:
+            gathered = comm.all_gather((failure, mine))
+            raise_failures(comm, "planning the save", [f for f, _ in gathered], caught)
+            shared = [s for _, s in gathered]
+            save_id, share_bytes = shared[0][2]
+            key = _plan_key((*(s for s, *_ in shared), str(share_bytes)))
+            cached = all(c == key for _, c, *_ in shared)
+            flat = local[0]
+            reduce_replicas(comm, flat, [r for *_, r in shared])  # Replicated tensors, if any
+            entry = _PLAN_CACHE.get(key) if cached else None
+            if entry is None:
+                plan = _agree_on_plan(comm, local[1], [s[3] for s in shared], share_bytes)
+                entry = _CachedPlan(plan, mine[0], share_bytes)
+                _PLAN_CACHE.clear()
+                _PLAN_CACHE[key] = entry
+            global_plan = entry.plan
     except BaseException:
         for undo in held:
             undo()
         raise
+    flat, _, values, per_rank = local
     items = global_plan.writes(comm.rank)
     views = _views_for(flat, items)
     release = held[0] if held else None
-    mine = {k: values[k] for k in global_plan.values_of(comm.rank)}
+    sent = {k: values[k] for k in global_plan.values_of(comm.rank)}
     return PreparedSave(
         comm,
         save_id,
         global_plan,
         items,
         views,
-        mine,
+        sent,
         per_rank,
         cached,
         release,
@@ -211,6 +241,28 @@ def prepare(
         plan_s=time.perf_counter() - t0,
         state_keys=state_keys,
     )
+
+
+def _reused_plan(comm: Comm, mine: Any) -> tuple[tuple[str, int], GlobalPlan] | None:
+    """The coordinator's (save id, share size) and the cached plan, where every rank described
+    its state (``mine``, None where it failed) with the structure of the plan every rank has
+    cached, the coordinator with the same share size, and no rank holds Replicated tensors
+    (their copies are compared by the full exchange); else None. One all-reduce of five
+    integers and one broadcast: a save of an unchanged structure exchanges as much per rank at
+    any world size."""
+    entry = _PLAN_CACHE.get(mine[1]) if mine is not None and mine[1] is not None else None
+    fresh = (
+        entry is not None
+        and entry.signature == mine[0]
+        and not mine[4]
+        and (mine[2] is None or mine[2][1] == entry.share_bytes)
+    )
+    key = (int(mine[1][:15], 16), int(mine[1][15:30], 16)) if fresh else (0, 0)
+    agreed = comm.max_across(np.array([not fresh, *key, -key[0], -key[1]], dtype=np.int64))
+    if agreed[0] or agreed[1] != -agreed[3] or agreed[2] != -agreed[4]:
+        return None
+    assert entry is not None
+    return comm.broadcast(mine[2]), entry.plan
 
 
 def _check_replaceable(storage: Storage, overwrite: bool) -> None:
@@ -350,7 +402,8 @@ def write_and_commit(
     finally:
         if prep.release is not None:
             prep.release()
-    outcome, errors, clean = comm.broadcast((outcome, errors, clean))
+    failed: list[RankFailure | None] = [f for f in outcome if f is not None]  # few bytes
+    outcome, errors, clean = comm.broadcast((failed, errors, clean))
     if any(outcome) and clean:
         _remove_own_files(storage, prep.save_id, comm.rank, comm.is_coordinator)
     raise_failures(comm, "saving", outcome, caught)

@@ -1,5 +1,6 @@
 """32 ranks as 8 nodes of 4 on this machine: a tiny state saved, then loaded at 32, 24 and 8
-ranks into other layouts, every value checked bitwise; and what a save exchanges per rank (its
+ranks into other layouts, every value checked bitwise (and a replicated state saved by 32, then
+16, then 8 of them, loaded back); and what a save exchanges per rank (its
 collectives and bytes) at 8, 16 and 32 ranks, which must not grow with the ranks beyond what the
 data needs: a save whose plan is cached sends and receives as much on a rank of 32 as of 8 (the
 coordinator receives each rank's report)."""
@@ -74,6 +75,8 @@ def _rank(
         if rank >= n:
             continue
         group = dist.new_group(list(range(n)), use_local_synchronization=True)
+        if n in saves:  # the structure the larger group saved last: planned again, not reused
+            wrong[-n] = _replicated_wrong(f"{root}/r{n}", group)
         for step in (1, 2) if n in saves else ():  # the first save plans, the second reuses
             before = traffic()
             unickpt.save(f"{root}/s{n}", _state(rank, n, step), group=group, overwrite=True)
@@ -86,13 +89,25 @@ def _rank(
             loaded = _emptied(want)
             unickpt.load(f"{root}/s{world}", loaded, group=group)
             wrong[n] = _wrong(loaded, want)
+        if n in saves:
+            wrong[-n] += _replicated_wrong(f"{root}/r{n}", group)
     return {"exchanged": exchanged, "wrong": wrong}
+
+
+def _replicated_wrong(path: str, group: Any) -> list[str]:
+    """Save tensors every rank holds whole (the same structure at any world size) and load
+    them back: the keys whose values differ."""
+    replicated = {f"r{i}": torch.full((3,), float(i)) for i in range(WORLD - 8)}
+    unickpt.save(path, replicated, group=group, overwrite=True)
+    loaded = {k: torch.zeros(3) for k in replicated}
+    unickpt.load(path, loaded, group=group)
+    return [k for k, v in replicated.items() if not torch.equal(loaded[k], v)]
 
 
 def test_32_ranks_save_and_load_at_32_24_and_8_and_exchange_per_rank(tmp_path: Path) -> None:
     results = run_ranks(WORLD, _rank, str(tmp_path), SAVES, LOADS, timeout_s=600)
     for rank, r in enumerate(results):
-        assert r["wrong"] == {n: [] for n in LOADS if rank < n}, rank
+        assert r["wrong"] == {n: [] for n in (*LOADS, *(-s for s in SAVES)) if rank < abs(n)}
     rows = []
     for n in SAVES:
         first, cached = zip(*(r["exchanged"][n] for r in results[:n]))

@@ -75,11 +75,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _CachedPlan:
-    """The plan of the last structure saved, with this rank's signature and the share size
-    it was made with."""
+    """The plan of the last structure saved, with this rank's signature, its rank among how
+    many, and the share size it was made with."""
 
     plan: GlobalPlan
     signature: str
+    rank: int
+    world_size: int
     share_bytes: int
 
 
@@ -213,7 +215,7 @@ def prepare(
             entry = _PLAN_CACHE.get(key) if cached else None
             if entry is None:
                 plan = _agree_on_plan(comm, local[1], [s[3] for s in shared], share_bytes)
-                entry = _CachedPlan(plan, mine[0], share_bytes)
+                entry = _CachedPlan(plan, mine[0], comm.rank, comm.world_size, share_bytes)
                 _PLAN_CACHE.clear()
                 _PLAN_CACHE[key] = entry
             global_plan = entry.plan
@@ -245,15 +247,17 @@ def prepare(
 
 def _reused_plan(comm: Comm, mine: Any) -> tuple[tuple[str, int], GlobalPlan] | None:
     """The coordinator's (save id, share size) and the cached plan, where every rank described
-    its state (``mine``, None where it failed) with the structure of the plan every rank has
-    cached, the coordinator with the same share size, and no rank holds Replicated tensors
-    (their copies are compared by the full exchange); else None. One all-reduce of five
-    integers and one broadcast: a save of an unchanged structure exchanges as much per rank at
-    any world size."""
+    its state (``mine``, None where it failed) with the structure, and at the rank, of the plan
+    every rank has cached, the coordinator with the same share size, and no rank holds
+    Replicated tensors (their copies are compared by the full exchange); else None. Ranks that
+    all cached one plan, of as many ranks as they are, each at its rank then, are the ranks
+    that made it. One all-reduce of five integers and one broadcast: a save of an unchanged
+    structure exchanges as much per rank at any world size."""
     entry = _PLAN_CACHE.get(mine[1]) if mine is not None and mine[1] is not None else None
     fresh = (
         entry is not None
         and entry.signature == mine[0]
+        and (entry.rank, entry.world_size) == (comm.rank, comm.world_size)
         and not mine[4]
         and (mine[2] is None or mine[2][1] == entry.share_bytes)
     )

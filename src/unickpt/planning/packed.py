@@ -185,8 +185,8 @@ def widen(coords: np.ndarray, dims: int) -> np.ndarray:
     return out
 
 
-def box_of(row: np.ndarray | Sequence[int], ndim: int) -> Box:
+def box_of(row: np.ndarray, ndim: int) -> Box:
     """The box of one coordinate row, for a tensor of ``ndim`` dimensions."""
     dims = len(row) // 2
-    values = row.tolist() if isinstance(row, np.ndarray) else list(row)
+    values = row.tolist()
     return Box(tuple(values[:ndim]), tuple(values[dims : dims + ndim]))

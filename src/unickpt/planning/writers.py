@@ -200,7 +200,7 @@ def _holder_table(g: HeldBoxes, cells: np.ndarray, first: np.ndarray) -> np.ndar
     n = g.holder_counts[cells]
     if (n == n[0]).all():
         matrix = g.holders[first[cells][:, None] + np.arange(n[0])]
-        if len(np.unique(matrix)) == matrix.size:
+        if np.bincount(matrix.ravel()).max() == 1:
             return matrix
     return [g.holders[first[c] : first[c] + g.holder_counts[c]] for c in cells.tolist()]
 

@@ -131,7 +131,9 @@ def save(
     storage = storage_for(path)
     quantized, compress = check_quantize(quantize), check_compress(compress)
     with applying(layout):
-        prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock, keys)
+        prep = saver.prepare(
+            comm, storage, state, allow_pickle, overwrite, quantized, lock, keys, config=cfg
+        )
     prep.incremental, prep.compress = incremental, compress
     sources = [ItemSource(v) for v in prep.views]
     return saver.write_and_commit(prep, storage, sources, cfg, progress)
@@ -219,7 +221,9 @@ def async_save(
     comm = Comm(group, cfg.collective_timeout_s)
     storage = storage_for(path)
     with applying(layout):
-        prep = saver.prepare(comm, storage, state, allow_pickle, overwrite, quantized, lock, keys)
+        prep = saver.prepare(
+            comm, storage, state, allow_pickle, overwrite, quantized, lock, keys, config=cfg
+        )
     prep.incremental, prep.compress = incremental, compress
     if prep.nbytes > budget and _can_stage(prep, budget, cfg):
         stager = Stager(prep.views, budget, ARENA, on_copied=fut.set_snapshot_done)
@@ -308,6 +312,7 @@ def _deferred_save(
                     lock,
                     keys,
                     failed,
+                    config=cfg,
                 )
             assert captured is not None  # else the planning step raised
             prep.incremental, prep.compress = incremental, compress

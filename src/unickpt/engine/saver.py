@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .._version import __version__
-from ..config import Config
+from ..config import Config, get_config
 from ..dist import Comm, RankFailure, failure_of, on_reset, raise_failures, run_step
 from ..encoding.rowwise import ErrorSums
 from ..encoding.saving import (
@@ -33,7 +33,7 @@ from ..encoding.saving import (
     written_errors,
 )
 from ..errors import CheckpointError, CheckpointExistsError
-from ..format.chunk_map import ChunkMap, build_chunk_map
+from ..format.chunk_map import ChunkMap
 from ..format.codec import encode_index
 from ..format.dtypes import dtype_name
 from ..format.metadata import (
@@ -51,7 +51,13 @@ from ..format.values import encode_value, needs_pickle
 from ..layouts.boxes import Box
 from ..planning.flatten import Flattened, flatten_state
 from ..planning.load_keys import KeyMap
-from ..planning.packed import PackedPlan
+from ..planning.packed import (
+    PackedPlan,
+    first_holders,
+    shared_parts,
+    with_shared,
+    without_shared,
+)
 from ..planning.save_keys import rename_for_save
 from ..planning.save_plan import GlobalPlan, LocalPlan, TensorDecl, WriteItem, build_global_plan
 from ..storage.base import Storage
@@ -66,7 +72,20 @@ from .write import ItemSource, WriteResult, write_file
 
 log = logging.getLogger(__name__)
 
-_PLAN_CACHE: dict[str, GlobalPlan] = {}
+
+@dataclass(frozen=True)
+class _CachedPlan:
+    """The plan of the last structure saved, with this rank's signature, its rank among how
+    many, and the share size it was made with."""
+
+    plan: GlobalPlan
+    signature: str
+    rank: int
+    world_size: int
+    share_bytes: int
+
+
+_PLAN_CACHE: dict[str, _CachedPlan] = {}
 on_reset(_PLAN_CACHE.clear)  # a plan of the job's old membership is never offered again
 
 
@@ -127,6 +146,7 @@ def prepare(
     lock: bool = True,
     keys: KeyMap | None = None,
     failed: BaseException | None = None,
+    config: Config | None = None,
 ) -> PreparedSave:
     """Flatten, encode values, agree on the plan (cached while the structure is unchanged).
 
@@ -135,7 +155,9 @@ def prepare(
     ``storage`` (a Checkpointer holds its root's), so the save takes none of its own.
     ``keys`` renames the state's keys to the saved ones (:func:`rename_for_save`).
     ``failed``: what failed on this rank before the save (a zero-stall save's capture), raised
-    in the planning step, so that every rank raises it instead of waiting for this one.
+    in the planning step, so that every rank raises it instead of waiting for this one. The
+    coordinator's ``config.replica_share_bytes`` decides for every rank which replicated boxes
+    are written in shares.
     """
     t0 = time.perf_counter()
     held: list[Callable[[], None]] = []
@@ -161,38 +183,58 @@ def prepare(
                 held.append(storage.acquire_lock())
             if read_commit(storage) is not None:
                 _check_replaceable(storage, overwrite)
-            extra = uuid.uuid4().hex[:12]
+            extra = (uuid.uuid4().hex[:12], (config or get_config()).replica_share_bytes)
         cached_key = next(iter(_PLAN_CACHE), None)
         packed = plan.packed()
-        shared = (packed.signature(), cached_key, extra, replica_specs(flat))
+        ids = (packed.table_id, packed.kinds_id)
+        shared = (packed.signature(), cached_key, extra, ids, replica_specs(flat))
         return (flat, packed, values, per_rank), shared
 
+    local: Any = None
+    mine: Any = None
+    failure: RankFailure | None = None
+    caught: BaseException | None = None
     try:
-        (flat, plan, values, per_rank), shared = run_step(comm, "planning the save", describe)
-        key = _plan_key(tuple(s for s, *_ in shared))
-        save_id = shared[0][2]
-        cached = all(c == key for _, c, *_ in shared)
-        reduce_replicas(comm, flat, [r for *_, r in shared])  # Replicated tensors, if any
-        global_plan = _PLAN_CACHE.get(key) if cached else None
-        if global_plan is None:
-            global_plan = _agree_on_plan(comm, plan)
-            _PLAN_CACHE.clear()
-            _PLAN_CACHE[key] = global_plan
+        try:
+            local, mine = describe()
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            failure, caught = failure_of(comm.rank, e), e
+        reused = _reused_plan(comm, mine if failure is None else None)
+        cached = reused is not None
+        if reused is not None:
+            (save_id, share_bytes), global_plan = reused
+        else:
+            gathered = comm.all_gather((failure, mine))
+            raise_failures(comm, "planning the save", [f for f, _ in gathered], caught)
+            shared = [s for _, s in gathered]
+            save_id, share_bytes = shared[0][2]
+            key = _plan_key((*(s for s, *_ in shared), str(share_bytes)))
+            cached = all(c == key for _, c, *_ in shared)
+            flat = local[0]
+            reduce_replicas(comm, flat, [r for *_, r in shared])  # Replicated tensors, if any
+            entry = _PLAN_CACHE.get(key) if cached else None
+            if entry is None:
+                plan = _agree_on_plan(comm, local[1], [s[3] for s in shared], share_bytes)
+                entry = _CachedPlan(plan, mine[0], comm.rank, comm.world_size, share_bytes)
+                _PLAN_CACHE.clear()
+                _PLAN_CACHE[key] = entry
+            global_plan = entry.plan
     except BaseException:
         for undo in held:
             undo()
         raise
+    flat, _, values, per_rank = local
     items = global_plan.writes(comm.rank)
     views = _views_for(flat, items)
     release = held[0] if held else None
-    mine = {k: values[k] for k in global_plan.values_of(comm.rank)}
+    sent = {k: values[k] for k in global_plan.values_of(comm.rank)}
     return PreparedSave(
         comm,
         save_id,
         global_plan,
         items,
         views,
-        mine,
+        sent,
         per_rank,
         cached,
         release,
@@ -201,6 +243,30 @@ def prepare(
         plan_s=time.perf_counter() - t0,
         state_keys=state_keys,
     )
+
+
+def _reused_plan(comm: Comm, mine: Any) -> tuple[tuple[str, int], GlobalPlan] | None:
+    """The coordinator's (save id, share size) and the cached plan, where every rank described
+    its state (``mine``, None where it failed) with the structure, and at the rank, of the plan
+    every rank has cached, the coordinator with the same share size, and no rank holds
+    Replicated tensors (their copies are compared by the full exchange); else None. Ranks that
+    all cached one plan, of as many ranks as they are, each at its rank then, are the ranks
+    that made it. One all-reduce of five integers and one broadcast: a save of an unchanged
+    structure exchanges as much per rank at any world size."""
+    entry = _PLAN_CACHE.get(mine[1]) if mine is not None and mine[1] is not None else None
+    fresh = (
+        entry is not None
+        and entry.signature == mine[0]
+        and (entry.rank, entry.world_size) == (comm.rank, comm.world_size)
+        and not mine[4]
+        and (mine[2] is None or mine[2][1] == entry.share_bytes)
+    )
+    key = (int(mine[1][:15], 16), int(mine[1][15:30], 16)) if fresh else (0, 0)
+    agreed = comm.max_across(np.array([not fresh, *key, -key[0], -key[1]], dtype=np.int64))
+    if agreed[0] or agreed[1] != -agreed[3] or agreed[2] != -agreed[4]:
+        return None
+    assert entry is not None
+    return comm.broadcast(mine[2]), entry.plan
 
 
 def _check_replaceable(storage: Storage, overwrite: bool) -> None:
@@ -221,24 +287,49 @@ def _check_replaceable(storage: Storage, overwrite: bool) -> None:
         )
 
 
-def _agree_on_plan(comm: Comm, plan: PackedPlan) -> GlobalPlan:
+def _agree_on_plan(
+    comm: Comm, plan: PackedPlan, ids: list[tuple[bytes, bytes]], share_bytes: int
+) -> GlobalPlan:
     """Exchange the local plans and build the global one. Pure and run on every rank over the
     same plans; run_step still gathers the outcome, so that a rank failing alone (out of
     memory) cannot leave the others waiting."""
-    plans = comm.all_gather(plan)
+    plans = _exchange_plans(comm, plan, ids)
 
     def build() -> tuple[GlobalPlan, None]:
-        return build_global_plan(plans), None
+        return build_global_plan(plans, share_bytes), None
 
     built, _ = run_step(comm, "planning the save", build)
     return built
 
 
+def _exchange_plans(
+    comm: Comm, plan: PackedPlan, ids: list[tuple[bytes, bytes]]
+) -> list[PackedPlan]:
+    """Every rank's plan. Ranks split alike send equal tables and kinds (``ids``: their
+    digests, already exchanged): each distinct one is broadcast once by the first rank holding
+    it, and the plans are all-gathered without them, so a rank receives a few rows per rank
+    rather than every rank's table."""
+    owners = first_holders(ids)
+    gathered = comm.all_gather(without_shared(plan))
+    parts: dict[bytes, Any] = {}
+    for src in sorted(set(owners.values())):
+        sent = shared_parts(plan, owners, src) if src == comm.rank else {}
+        parts.update(comm.broadcast(sent, src))
+    return [with_shared(p, parts) for p in gathered]
+
+
 def _views_for(flat: Flattened, items: tuple[WriteItem, ...]) -> list[torch.Tensor]:
+    """The view of each item: the piece the rank holds, or its rows the item is a share of."""
     by_box: dict[tuple[str, Box], torch.Tensor] = {
         (k, b): v for k, t in flat.tensors.items() for b, v in t.pieces
     }
-    return [by_box[(i.key, i.box)] for i in items]
+    views = []
+    for i in items:
+        if i.held is None:
+            views.append(by_box[(i.key, i.box)])
+        else:
+            views.append(by_box[(i.key, i.held)][i.box.relative_to(i.held)])
+    return views
 
 
 @dataclass(frozen=True)
@@ -315,7 +406,8 @@ def write_and_commit(
     finally:
         if prep.release is not None:
             prep.release()
-    outcome, errors, clean = comm.broadcast((outcome, errors, clean))
+    failed: list[RankFailure | None] = [f for f in outcome if f is not None]  # few bytes
+    outcome, errors, clean = comm.broadcast((failed, errors, clean))
     if any(outcome) and clean:
         _remove_own_files(storage, prep.save_id, comm.rank, comm.is_coordinator)
     raise_failures(comm, "saving", outcome, caught)
@@ -542,20 +634,15 @@ def _metadata(
 
 
 def _chunk_map(plan: GlobalPlan, has_file: list[bool]) -> ChunkMap | None:
-    """Where each box of the plan is listed: the file of the rank that writes it (ranks
+    """Where each chunk of the plan is listed: the file of the rank that writes it (ranks
     without a file are left out of the metadata's files). Kept with the plan, which later
     saves of the same structure reuse."""
     kept = _MAPS.get(plan)
     if kept is not None and kept[0] == tuple(has_file):
         return kept[1]
     position = np.cumsum(has_file) - 1
-    writers = plan.box_writers
-    found = None
-    if not len(writers) or all(has_file[w] for w in set(writers.tolist())):
-        ndims = {k: len(shape) for k, (_, shape, _) in plan.tensors.items()}
-        found = build_chunk_map(
-            ndims, plan.names, plan.box_keys, plan.box_coords, position[writers]
-        )
+    writing = {w for lay in plan.layouts for w in np.unique(lay.writers).tolist()}
+    found = plan.chunk_map(position) if all(has_file[w] for w in writing) else None
     _MAPS[plan] = (tuple(has_file), found)
     return found
 

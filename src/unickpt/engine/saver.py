@@ -48,6 +48,7 @@ from ..format.metadata import (
 )
 from ..format.references import FileLocation
 from ..format.values import encode_value, needs_pickle
+from ..layouts.arrays import distinct
 from ..layouts.boxes import Box
 from ..planning.flatten import Flattened, flatten_state
 from ..planning.load_keys import KeyMap
@@ -641,7 +642,7 @@ def _chunk_map(plan: GlobalPlan, has_file: list[bool]) -> ChunkMap | None:
     if kept is not None and kept[0] == tuple(has_file):
         return kept[1]
     position = np.cumsum(has_file) - 1
-    writing = {w for lay in plan.layouts for w in np.unique(lay.writers).tolist()}
+    writing = {w for lay in plan.layouts for w in distinct(lay.writers).tolist()}
     found = plan.chunk_map(position) if all(has_file[w] for w in writing) else None
     _MAPS[plan] = (tuple(has_file), found)
     return found

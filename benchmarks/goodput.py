@@ -11,7 +11,12 @@ restore from storage reads the disk). Two policies:
 (a) storage: an asynchronous checkpoint to ``--storage`` every K steps, K from Young's formula
     sqrt(2 * stall * MTBF) with the stall measured in a calibration run;
 (b) memory: ``MemoryTier(replicas=2)`` saves every step, persisting every ``--persist-s``
-    seconds' worth of steps.
+    seconds' worth of steps;
+(c) in place: (b) under ``unickpt run`` (a launcher per node, ``--spares`` spares on each):
+    a failure kills rank 1's process only (a node lost: every process of its node, and its
+    memory folder), and rank 0 recovers in its process with a spare in rank 1's place
+    (``unickpt.recover``, the job of benchmarks/recovery.py); without a spare the launchers
+    restart every process.
 
 Goodput is useful training time (steps x the measured time of a plain step) over wall time;
 work lost is the steps trained past the checkpoint a restart resumes from (counted from the
@@ -19,7 +24,9 @@ newest step any earlier job finished); restart is the time from the kill until t
 trains again (process start, imports, process group, model, restore); restore is the part of
 it in ``load_latest``, until the state holds the values, with where each rank's state came
 from. ``--batch`` sets a step's compute against the state's 48 MiB. Then a model scales the
-measured costs to 1,024 GPUs with one failure an hour (assumptions printed with it).
+measured costs to 1,024 GPUs with one failure an hour (assumptions printed with it); its
+restart of a job in place is the 60 s of a cold restart times the ratio measured here between
+(c)'s and (b)'s restarts.
 
 python benchmarks/goodput.py --minutes 1 --mtbf 20 --persist-s 10
 """
@@ -27,10 +34,12 @@ python benchmarks/goodput.py --minutes 1 --mtbf 20 --persist-s 10
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -222,6 +231,96 @@ def _run(policy: str, a: dict[str, Any], cal: dict[str, float], rng: random.Rand
     }
 
 
+def _run_inplace(a: dict[str, Any], cal: dict[str, float], rng: random.Random) -> dict:
+    """Policy (c): the job of benchmarks/recovery.py under ``unickpt run`` with spares; each
+    failure kills rank 1's process, every other one every process of its node (and its memory
+    folder)."""
+    import recovery
+
+    base = Path(tempfile.mkdtemp(prefix="goodput-inplace-", dir=a["storage"]))
+    shm = Path(tempfile.mkdtemp(prefix="goodput-inplace-", dir="/dev/shm"))
+    log = base / "log"
+    cfg = {"root": str(base / "root"), "out": str(base / "out"), "steps": a["steps"]}
+    cfg.update(batch=a["batch"], dirs=[str(shm / "a"), str(shm / "b")], goodput_log=str(log))
+    cfg["persist_every"] = a["persist_every"]
+    failures: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    job = recovery.Job(cfg, (a["spares"], a["spares"]), max_restarts=100)
+    try:
+        while True:
+            starts = len(failures) + 1  # failures strike while training
+            job.wait(
+                "a start", lambda n=starts: log.exists() and log.read_text().count('"start"') >= n
+            )
+            deadline = time.monotonic() + rng.expovariate(1 / a["mtbf"])
+            while time.monotonic() < deadline and all(p.poll() is None for p in job.launchers):
+                time.sleep(0.05)
+            if any(p.poll() is not None for p in job.launchers):
+                codes = [p.wait() for p in job.launchers]
+                if codes != [0, 0]:
+                    raise RuntimeError(f"the in-place job failed: launchers exited {codes}")
+                break
+            node = len(failures) % 2 == 1
+            victim = job.current(1)
+            if node:  # a node lost: every process on it, its memory, its page cache
+                name = _node_of(job, victim["pid"])
+                for pid in _processes_of(job, name):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                shutil.rmtree(cfg["dirs"]["ab".index(name)], ignore_errors=True)
+                _evict(Path(cfg["root"]))
+            else:
+                os.kill(victim["pid"], signal.SIGKILL)
+            failures.append({"node": node, "killed_at": time.time()})
+        wall = time.perf_counter() - t0
+        lines = [json.loads(x) for x in log.read_text().splitlines()]
+    finally:
+        job.stop()
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    lost, restores = lost_work(lines)
+    starts = [x for x in lines if "start" in x][1:]
+    return {
+        "policy": "in place",
+        "wall_s": wall,
+        "goodput": a["steps"] * cal["step"] / wall,
+        "failures": len(failures),
+        "lost_steps": lost,
+        "restores": restores,
+        "restarts_s": [s["at"] - f["killed_at"] for s, f in zip(starts, failures)],
+    }
+
+
+def _started(job: Any) -> list[tuple[str, int]]:
+    """(node, pid) of every process the job's launchers started."""
+    found = []
+    for name in "ab":
+        text = (job.out / f"launcher-{name}.log").read_text()
+        found += [
+            (name, int(pid)) for pid in re.findall(r"started slot \S+ \(.*\), pid (\d+)", text)
+        ]
+    return found
+
+
+def _node_of(job: Any, pid: int) -> str:
+    return next(name for name, p in _started(job) if p == pid)
+
+
+def _processes_of(job: Any, node: str) -> list[int]:
+    """The live processes of ``node``'s launcher (children of it: a pid is never reused for
+    another process while the launcher has not reaped it)."""
+    launcher = job.launchers["ab".index(node)].pid
+    return [p for name, p in _started(job) if name == node and _parent(p) == launcher]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
 def _spread(xs: list[float]) -> str:
     if not xs:
         return "-"
@@ -284,23 +383,50 @@ def _stall_at(cal: dict[str, float], mode: str, nbytes: float, a: dict[str, Any]
     return fixed + per_byte * nbytes
 
 
-def scale_model(cal: dict[str, float], a: dict[str, Any]) -> list[str]:
-    """Goodput at 1,024 GPUs, one failure an hour, from the measured per-rank costs."""
+# The stall of a zero-stall save on a GPU: its snapshot copies device to host. On an H100 the
+# asynchronous save of 12.3 GB (1B parameters with Adam) held the next iteration 0.343 s
+# (docs/benchmarks.md, "GPU (NVIDIA H100 80GB HBM3)"): 0.028 s per GB.
+GPU_STALL_S_PER_GB = 0.343 / 12.302
+
+
+def scale_model(cal: dict[str, float], a: dict[str, Any], inplace_ratio: float) -> list[str]:
+    """Goodput at 1,024 GPUs, one failure an hour, from the measured per-rank costs; a restart
+    in place costs ``inplace_ratio`` of a cold one."""
     m = a["scale_mtbf_s"]
     step = a["scale_step_s"]
     per_gpu = a["scale_gib_per_gpu"] * 2**30
     stall_s = _stall_at(cal, "storage", per_gpu, a)
     mem_stall = _stall_at(cal, "memory", per_gpu, a)
+    gpu_stall = GPU_STALL_S_PER_GB * per_gpu / 1e9
     write_s = 1024 * per_gpu / (a["scale_storage_gbs"] * 1e9)  # shared storage bandwidth
     restore_mem = per_gpu / (a["scale_restore_gbs"] * 1e9)
+    in_place = {**a, "scale_restart_s": a["scale_restart_s"] * inplace_ratio}
     # (a) Young's interval, no shorter than a write of every GPU's state to shared storage
     interval_a = max(math.sqrt(2 * stall_s * m), write_s)
     # (b) memory every step; (b') the memory tier at Young's interval for its own stall
     interval_b = max(math.sqrt(2 * mem_stall * m), step)
+    interval_g = max(math.sqrt(2 * gpu_stall * m), step)
     return [
         _policy_row("(a) storage, Young's interval", interval_a, stall_s, write_s, a),
         _policy_row("(b) memory tier every step", step, mem_stall, restore_mem, a),
         _policy_row("(b') memory tier, Young's interval", interval_b, mem_stall, restore_mem, a),
+        _policy_row(
+            "(c) memory tier in place, Young's interval",
+            interval_b,
+            mem_stall,
+            restore_mem,
+            in_place,
+        ),
+        _policy_row(
+            "(b'') memory tier, GPU stall, Young's interval", interval_g, gpu_stall, restore_mem, a
+        ),
+        _policy_row(
+            "(c') memory tier in place, GPU stall, Young's interval",
+            interval_g,
+            gpu_stall,
+            restore_mem,
+            in_place,
+        ),
     ]
 
 
@@ -325,6 +451,7 @@ def main() -> None:
         default=256,
         help="rows per step: sets the step's compute against the state's 48 MiB",
     )
+    p.add_argument("--spares", type=int, default=3, help="in place: spares on each node")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.job:
@@ -342,6 +469,11 @@ def main() -> None:
     a["persist_every"] = max(1, round(args.persist_s / cal["step"]))
     # the same failure times for both policies: each draws from a generator seeded alike
     runs = [_run(policy, a, cal, random.Random(args.seed)) for policy in ("storage", "memory")]
+    a["spares"] = args.spares
+    runs.append(_run_inplace(a, cal, random.Random(args.seed)))
+    cold = statistics.median(runs[1]["restarts_s"]) if runs[1]["restarts_s"] else float("nan")
+    warm = statistics.median(runs[2]["restarts_s"]) if runs[2]["restarts_s"] else float("nan")
+    ratio = warm / cold
     print(
         f"step {cal['step'] * 1e3:.0f} ms, save stall: storage {cal['storage'] * 1e3:.0f} ms, "
         f"memory tier {cal['memory'] * 1e3:.0f} ms (medians, measured); "
@@ -364,9 +496,15 @@ def main() -> None:
         f"{cal['storage'] * 1e3:.0f}/{cal['storage_big'] * 1e3:.0f} ms, memory tier "
         f"{cal['memory'] * 1e3:.0f}/{cal['memory_big'] * 1e3:.0f} ms):"
     )
+    print(
+        f"in place: a restart costs {ratio:.2f}x a cold one (median restart here: in place "
+        f"{warm:.2f} s, memory tier {cold:.2f} s), so {a['scale_restart_s'] * ratio:.0f} s at "
+        f"scale; GPU stall {GPU_STALL_S_PER_GB * a['scale_gib_per_gpu'] * 2**30 / 1e9 * 1e3:.0f} "
+        "ms (an H100's device-to-host snapshot, docs/benchmarks.md):"
+    )
     print("| policy | interval | stall per save | lost per failure | goodput |")
     print("| --- | --- | --- | --- | --- |")
-    for line in scale_model(cal, a):
+    for line in scale_model(cal, a, ratio):
         print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"calibration": cal, "runs": runs}, indent=1))

@@ -39,6 +39,15 @@ SECTIONS: list[tuple[str, list[str]]] = [
         ["PerRank", "ShardedTensor", "FlatShard", "Fused", "Padded", "Replicated"],
     ),
     ("Layout rules", ["fused_glu", "fused_qkv", "padded_vocab", "replicated"]),
+    (
+        "Recovery in place (unickpt run)",
+        [
+            "recover",
+            "unickpt.launch:current_epoch",
+            "unickpt.launch:Epoch",
+            "unickpt.launch:Recovery",
+        ],
+    ),
     ("Settings", ["Config", "get_config"]),
     (
         "Tools (unickpt.tools)",
@@ -62,6 +71,8 @@ SECTIONS: list[tuple[str, list[str]]] = [
             "CheckpointVersionError",
             "DistributedCheckpointError",
             "UnsafeObjectError",
+            "RecoveryError",
+            "MembershipChanged",
         ],
     ),
 ]
@@ -81,7 +92,7 @@ def resolve(name: str) -> tuple[str, Any]:
 
     if ":" in name:
         module, attr = name.split(":")
-        public = module if module == "unickpt.tools" else "unickpt"
+        public = module if module in ("unickpt.tools", "unickpt.launch") else "unickpt"
         return f"{public}.{attr}", getattr(importlib.import_module(module), attr)
     return f"unickpt.{name}", getattr(unickpt, name)
 

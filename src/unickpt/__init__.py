@@ -29,8 +29,11 @@ if TYPE_CHECKING:
         CheckpointNotFoundError,
         CheckpointVersionError,
         DistributedCheckpointError,
+        MembershipChanged,
+        RecoveryError,
         UnsafeObjectError,
     )
+    from .launch.recover import recover
     from .layouts.leaves import FlatShard, Fused, Padded, PerRank, Replicated, ShardedTensor
     from .layouts.rules import fused_glu, fused_qkv, padded_vocab, replicated
     from .rng import RNGState
@@ -56,6 +59,8 @@ _LAZY = {
     "CheckpointNotFoundError": ".errors",
     "CheckpointVersionError": ".errors",
     "DistributedCheckpointError": ".errors",
+    "MembershipChanged": ".errors",
+    "RecoveryError": ".errors",
     "UnsafeObjectError": ".errors",
     "FlatShard": ".layouts.leaves",
     "Fused": ".layouts.leaves",
@@ -69,6 +74,7 @@ _LAZY = {
     "replicated": ".layouts.rules",
     "MemoryTier": ".tiers.memory",
     "RNGState": ".rng",
+    "recover": ".launch.recover",
 }
 
 
@@ -103,10 +109,12 @@ __all__ = [
     "DistributedCheckpointError",
     "FlatShard",
     "Fused",
+    "MembershipChanged",
     "MemoryTier",
     "Padded",
     "PerRank",
     "RNGState",
+    "RecoveryError",
     "Replicated",
     "SaveFuture",
     "ShardedTensor",
@@ -118,6 +126,7 @@ __all__ = [
     "load",
     "padded_vocab",
     "prepare_staging",
+    "recover",
     "replicated",
     "save",
     "wait_pending",

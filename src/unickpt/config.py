@@ -37,6 +37,9 @@ class Config:
     sent to the others over the process group; off: each node reads them."""
     collective_timeout_s: float = 1800.0
     """How long a rank waits for the others in a collective before failing."""
+    replica_share_bytes: int = 16 * MiB
+    """A box several ranks hold, of at least twice this, is written in shares of at least
+    this by several of them (one share per holder at most); 0 writes every box whole."""
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
@@ -59,6 +62,11 @@ class Config:
             )
         if self.collective_timeout_s <= 0:
             raise CheckpointError("collective_timeout_s must be positive.")
+        if self.replica_share_bytes < 0:
+            raise CheckpointError(
+                f"replica_share_bytes is {self.replica_share_bytes}; expected 0 (write every "
+                "replicated box whole) or more."
+            )
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import logging
 import os
+import pickle
 import socket
 import threading
 import traceback
@@ -29,9 +30,16 @@ _GROUPS: dict[tuple[int, ...], OwnGroup] = {}  # the groups of Comm, by global r
 _OWNED: list[OwnGroup] = []  # every live group unickpt made, released at interpreter exit
 _GROUPS_LOCK = threading.Lock()
 _MAKING = threading.RLock()  # groups are made (a collective) by one thread at a time
+_GENERATION = 0  # how many times this process's job changed its membership (reset_groups)
+_ON_RESET: list[Callable[[], None]] = []  # caches of a membership, cleared by reset_groups
 _RELEASED = (
     "unickpt's process groups were released (at interpreter exit, or by "
     "unickpt.dist.release_groups()); save and load before the interpreter exits."
+)
+_CHANGED = (
+    "the job's membership changed (a process failed and unickpt.recover re-formed the process "
+    "groups without it): this save, load or Checkpointer belongs to the old membership. Make "
+    "the Checkpointer again inside the training function that recover calls."
 )
 _DESTROYED = (
     "the process group this save, load or Checkpointer was made with was destroyed by "
@@ -91,6 +99,13 @@ class OwnGroup:
         """Not released, and still known to torch (``destroy_process_group()`` forgets it)."""
         return self._pg is not None and _registered(self._pg)
 
+    def forget(self) -> Any:
+        """Let go of the group without destroying it (every later use raises); torch's group
+        object, for the caller to drop where its destruction may wait (see
+        :func:`reset_groups`)."""
+        pg, self._pg, self._why = self._pg, None, _CHANGED
+        return pg
+
     def release(self) -> None:
         """Destroy the group (unless torch already did); every later use raises."""
         pg, self._pg, self._why = self._pg, None, _RELEASED
@@ -142,6 +157,38 @@ def machine_id() -> str | None:
         return None
 
 
+def reset_groups() -> list[Any]:
+    """Forget every process group unickpt made, and every cache of the job's membership, after
+    the membership changed (a process died, and the survivors form new groups without it in
+    the same processes: :func:`unickpt.recover`). Returns torch's group objects, not destroyed:
+    a gloo group's destruction waits for its collectives in flight, which end only once the
+    peers' groups are gone too, so the caller drops them where waiting is harmless. Every later
+    use of an old group (a Checkpointer, a pending save's thread) raises. Bumps
+    :func:`generation`."""
+    global _GENERATION
+    with _GROUPS_LOCK:  # not _MAKING: a thread making a group of the old membership may hang
+        owned = list(_OWNED)
+        _OWNED.clear()
+        _GROUPS.clear()
+        _GENERATION += 1
+    dropped = [group.forget() for group in owned]
+    for hook in list(_ON_RESET):
+        hook()
+    return [pg for pg in dropped if pg is not None]
+
+
+def on_reset(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at every :func:`reset_groups`: a process-wide cache made for one membership
+    of the job clears itself there."""
+    _ON_RESET.append(hook)
+
+
+def generation() -> int:
+    """How many times this process's job changed its membership (:func:`reset_groups`): what
+    a process held for an older generation (the root's lock) it may take over."""
+    return _GENERATION
+
+
 @dataclass(frozen=True)
 class RankFailure:
     """What one rank reports when its part of a step failed."""
@@ -180,28 +227,33 @@ class Comm:
     def all_gather(self, obj: T) -> list[T]:
         if self._pg is None:
             return [obj]
-        out: list[Any] = [None] * self.world_size
+        frame = _pickled(obj)
         with self._peers_lost("all_gather"):
-            dist.all_gather_object(out, obj, group=self._pg)
-        return out
+            frames = _all_gather_bytes(frame, self._pg, self.world_size)
+        return [_unpickled(f) for f in frames]
 
     def gather(self, obj: T) -> list[T] | None:
-        """Objects of all ranks on the coordinator (rank 0 of the group); None elsewhere."""
+        """Objects of all ranks on the coordinator (rank 0 of the group); None elsewhere. The
+        coordinator's own object is not sent (it keeps it), so the others' need not be padded
+        to its size."""
         if self._pg is None:
             return [obj]
-        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        frame = _pickled(None if self.is_coordinator else obj)
+        dst = self._global_ranks[0]
         with self._peers_lost("gather"):
-            dist.gather_object(obj, out, dst=self._global_ranks[0], group=self._pg)
-        return out
+            frames = _gather_bytes(frame, self._pg, dst, self.is_coordinator)
+        if frames is None:
+            return None
+        return [obj if r == self.rank else _unpickled(f) for r, f in enumerate(frames)]
 
-    def broadcast(self, obj: T) -> T:
-        """The coordinator's ``obj`` on every rank."""
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        """Rank ``src``'s ``obj`` (the coordinator's by default) on every rank."""
         if self._pg is None:
             return obj
-        box = [obj]
+        frame = _pickled(obj) if self.rank == src else None
         with self._peers_lost("broadcast"):
-            dist.broadcast_object_list(box, src=self._global_ranks[0], group=self._pg)
-        return box[0]
+            got = _broadcast_bytes(frame, self._pg, self._global_ranks[src])
+        return obj if frame is not None else _unpickled(got)  # type: ignore[no-any-return]
 
     def max_across(self, values: np.ndarray) -> np.ndarray:
         """The element-wise maximum of ``values`` (same shape on every rank) over all ranks."""
@@ -210,6 +262,7 @@ class Comm:
         t = torch.from_numpy(np.ascontiguousarray(values))
         with self._peers_lost("all_reduce"):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg)
+        _count(t.nbytes, t.nbytes)
         return t.numpy()
 
     def sum_across(self, values: np.ndarray) -> np.ndarray:
@@ -219,19 +272,24 @@ class Comm:
         t = torch.from_numpy(np.ascontiguousarray(values))
         with self._peers_lost("all_reduce"):
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._pg)
+        _count(t.nbytes, t.nbytes)
         return t.numpy()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         """Start sending the CPU tensor ``tensor`` to rank ``dst`` of the group (received by
         an :meth:`irecv` with the same ``tag``); finish it with :meth:`wait`."""
         with self._peers_lost("send"):
-            return dist.isend(tensor, self._global_ranks[dst], group=self._pg, tag=tag)
+            work = dist.isend(tensor, self._global_ranks[dst], group=self._pg, tag=tag)
+        _count(tensor.nbytes, 0, collective=False)
+        return work
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
         """Start receiving into the CPU tensor ``tensor`` what rank ``src`` of the group sends
         with ``tag``; finish it with :meth:`wait`."""
         with self._peers_lost("receive"):
-            return dist.irecv(tensor, self._global_ranks[src], group=self._pg, tag=tag)
+            work = dist.irecv(tensor, self._global_ranks[src], group=self._pg, tag=tag)
+        _count(0, tensor.nbytes, collective=False)
+        return work
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for a send or receive started by :meth:`isend` or :meth:`irecv`."""
@@ -242,6 +300,7 @@ class Comm:
         if self._pg is not None:
             with self._peers_lost("barrier"):
                 dist.barrier(group=self._pg)
+            _count(0, 0)
 
     @contextlib.contextmanager
     def _peers_lost(self, what: str) -> Iterator[None]:
@@ -258,6 +317,110 @@ class Comm:
                 "unickpt: look at the other ranks' logs. Committed checkpoints are untouched.",
                 {},
             ) from e
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The collectives of :class:`Comm` this process took part in, and the bytes it sent into
+    them and received from the other ranks (payloads as exchanged: an object's pickle, padded
+    to the longest of the ranks where all of them travel at one size; sizes included), sends
+    and receives between two ranks counted in the bytes."""
+
+    collectives: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def __sub__(self, before: Traffic) -> Traffic:
+        return Traffic(
+            self.collectives - before.collectives,
+            self.bytes_sent - before.bytes_sent,
+            self.bytes_received - before.bytes_received,
+        )
+
+
+_TRAFFIC = [0, 0, 0]
+_TRAFFIC_LOCK = threading.Lock()
+
+
+def traffic() -> Traffic:
+    """What this process's :class:`Comm` collectives exchanged so far (take two and subtract
+    to see what a save or a load exchanged)."""
+    with _TRAFFIC_LOCK:
+        return Traffic(*_TRAFFIC)
+
+
+def _count(sent: int, received: int, collective: bool = True) -> None:
+    with _TRAFFIC_LOCK:
+        _TRAFFIC[0] += collective
+        _TRAFFIC[1] += sent
+        _TRAFFIC[2] += received
+
+
+_SIZE = 8  # an object's size travels as one int64
+
+
+def _pickled(obj: Any) -> torch.Tensor:
+    """``obj``'s pickle, after its length (8 bytes, little-endian)."""
+    data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(
+        bytearray(len(data).to_bytes(_SIZE, "little") + data), dtype=torch.uint8
+    )
+
+
+def _unpickled(framed: torch.Tensor) -> Any:
+    """The object of a :func:`_pickled` frame (padding after it ignored)."""
+    view = framed.numpy().data
+    size = int.from_bytes(view[:_SIZE], "little")
+    return pickle.loads(view[_SIZE : _SIZE + size])
+
+
+def _longest(size: int, pg: Any) -> int:
+    """The largest ``size`` of all ranks (one all-reduce of 8 bytes)."""
+    t = torch.tensor([size], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+    return int(t)
+
+
+def _padded(frame: torch.Tensor, size: int) -> torch.Tensor:
+    out = torch.zeros(size, dtype=torch.uint8)
+    out[: len(frame)] = frame
+    return out
+
+
+def _all_gather_bytes(frame: torch.Tensor, pg: Any, world: int) -> list[torch.Tensor]:
+    """Every rank's frame, each padded to the longest (the collectives need one size)."""
+    longest = _longest(len(frame), pg)
+    out = torch.empty(longest * world, dtype=torch.uint8)
+    dist.all_gather(list(out.split(longest)), _padded(frame, longest), group=pg)
+    _count(_SIZE + longest, _SIZE + (world - 1) * longest)
+    return list(out.split(longest))
+
+
+def _gather_bytes(frame: torch.Tensor, pg: Any, dst: int, receiving: bool) -> list[Any] | None:
+    """Every rank's frame on ``dst`` (``receiving``), padded to the longest; None elsewhere."""
+    world = dist.get_world_size(pg)
+    longest = _longest(len(frame), pg)
+    out = torch.empty(longest * world, dtype=torch.uint8) if receiving else None
+    parts = list(out.split(longest)) if out is not None else None
+    dist.gather(_padded(frame, longest), parts, dst=dst, group=pg)
+    if receiving:
+        _count(_SIZE, _SIZE + (world - 1) * longest)
+    else:
+        _count(_SIZE + longest, _SIZE)
+    return parts
+
+
+def _broadcast_bytes(frame: torch.Tensor | None, pg: Any, src: int) -> torch.Tensor:
+    """``src``'s frame on every rank: its size, then its bytes."""
+    size = torch.tensor([0 if frame is None else len(frame)])
+    dist.broadcast(size, src=src, group=pg)
+    out = frame if frame is not None else torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(out, src=src, group=pg)
+    if frame is not None:
+        _count(_SIZE + len(out), 0)
+    else:
+        _count(0, _SIZE + len(out))
+    return out
 
 
 def _span(ranks: list[int]) -> str:

@@ -38,9 +38,21 @@ class CheckpointLockedError(CheckpointError):
     """Another job is saving into the same place."""
 
 
+class RecoveryError(CheckpointError):
+    """``unickpt run`` or :func:`unickpt.recover` could not go on (the job's store, a
+    membership, a process that did not leave its training function in time)."""
+
+
 class DistributedCheckpointError(CheckpointError):
     """One or more ranks failed; raised on every rank with every rank's message."""
 
     def __init__(self, message: str, rank_errors: dict[int, str]) -> None:
         super().__init__(message)
         self.rank_errors = rank_errors
+
+
+class MembershipChanged(BaseException):
+    """Raised inside the training function that :func:`unickpt.recover` runs, when another
+    process of the job failed: the function unwinds, and recover calls it again once the
+    process groups are formed anew (a spare in the failed rank's place). Not an error, and not
+    an ``Exception``: ``except Exception`` in training code lets it through."""

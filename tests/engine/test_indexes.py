@@ -14,10 +14,12 @@ from unickpt.bench.restore_plan import restore_figures
 from unickpt.engine.checksum import digest
 from unickpt.engine.commit import read_checkpoint, read_metadata
 from unickpt.engine.indexes import SavedChunks
-from unickpt.format.chunk_map import build_chunk_map, decode_chunk_map, encode_chunk_map
+from unickpt.format.chunk_map import decode_chunk_map, encode_chunk_map
 from unickpt.format.codec import decode_metadata, encode_commit, encode_metadata
 from unickpt.format.metadata import CommitRecord, FileRef, Metadata
 from unickpt.layouts.boxes import Box
+from unickpt.planning.packed import box_of
+from unickpt.planning.save_plan import LocalPlan, TensorDecl, build_global_plan
 from unickpt.planning.simulate import SimulatedSave, encode_rank_index, simulate_save
 from unickpt.storage.local import LocalStorage
 
@@ -81,9 +83,12 @@ def test_chunk_map_round_trip_and_layouts_kept_once(save: SimulatedSave) -> None
     plan = save.plan
     lay = chunk_map.layout(plan.names[0])
     assert lay is not None
-    mine = plan.box_keys == 0
-    assert np.array_equal(lay.files, plan.box_writers[mine])
-    assert np.array_equal(lay.coords, plan.box_coords[mine])
+    written = plan.layouts[plan.layout_of[0]]
+    assert np.array_equal(lay.files, written.writers)
+    assert np.array_equal(lay.coords, written.coords)
+    key = plan.names[0]
+    boxes = sorted((i.box, r) for r in range(RANKS) for i in plan.writes(r) if i.key == key)
+    assert boxes == sorted((box_of(row, 2), int(f)) for row, f in zip(lay.coords, lay.files))
 
 
 def test_map_ignored_where_it_does_not_describe_the_metadata(save: SimulatedSave) -> None:
@@ -96,15 +101,25 @@ def test_map_ignored_where_it_does_not_describe_the_metadata(save: SimulatedSave
 
 
 def test_map_of_ndims_and_padding() -> None:
-    keys = ["s", "v", "m"]
-    coords = np.array([[0, 0, 1, 1], [0, 0, 3, 1], [3, 0, 2, 1], [0, 0, 2, 2]])
-    found = build_chunk_map(
-        {"s": 0, "v": 1, "m": 2}, keys, np.array([0, 1, 1, 2]), coords, np.array([1, 0, 1, 0])
+    """Tensors of 0, 1 and 2 dimensions planned together: each layout keeps its own."""
+    s = TensorDecl("float32", (), "replicated", (Box((), ()),))
+    first = LocalPlan(
+        {"s": s, "v": TensorDecl("float32", (5,), "sharded", (Box((0,), (3,)),))}, (), ()
     )
-    s, v, m = (found.layout(k) for k in keys)
-    assert s is not None and s.coords.shape == (1, 0)
-    assert v is not None and v.coords.tolist() == [[0, 3], [3, 2]] and v.files.tolist() == [0, 1]
-    assert m is not None and m.coords.tolist() == [[0, 0, 2, 2]]
+    second = LocalPlan(
+        {
+            "s": s,
+            "v": TensorDecl("float32", (5,), "sharded", (Box((3,), (2,)),)),
+            "m": TensorDecl("float32", (2, 2), "sharded", (Box((0, 0), (2, 2)),)),
+        },
+        (),
+        (),
+    )
+    found = build_global_plan([first, second]).chunk_map(np.array([1, 0]))
+    sl, v, m = (found.layout(k) for k in ("s", "v", "m"))
+    assert sl is not None and sl.coords.shape == (1, 0) and sl.files.tolist() == [1]
+    assert v is not None and v.coords.tolist() == [[0, 3], [3, 2]] and v.files.tolist() == [1, 0]
+    assert m is not None and m.coords.tolist() == [[0, 0, 2, 2]] and m.files.tolist() == [0]
     assert v.overlapping((2,), (2,)).tolist() == [True, True]
     assert v.overlapping((3,), (0,)).tolist() == [False, False]
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -141,7 +142,7 @@ def test_simulation_reports_costs() -> None:
     save = simulate_save(ranks=64, tensors=40, tp=8)
     report = save.report
     assert report["chunks"] == 64 * 40
-    assert report["cached_save_exchange_bytes_per_rank"] == 32
+    assert report["cached_save_exchange_bytes_per_rank"] == 40  # five int64, all-reduced
     assert report["global_metadata_bytes"] < report["index_bytes_total_est"]
     # The last of 64 loading ranks (16 x TP 4) holds the last 1/16 of the rows (within the
     # last of 8 saved row blocks) and the last quarter of the columns (2 of 8 saved blocks):
@@ -207,3 +208,64 @@ def test_scalars_only_on_every_rank() -> None:
     scalar = _decl((), Box((), ()), layout="replicated")
     plan = build_global_plan([_plan({"a": scalar, "b": scalar}) for _ in range(3)])
     assert sorted((i.key, r) for r in range(3) for i in plan.writes(r)) == [("a", 0), ("b", 1)]
+
+
+def test_large_replicas_are_written_in_shares_by_their_holders() -> None:
+    """A box 4 ranks hold, of at least twice ``share_bytes``: 4 shares of rows, one per
+    holder; a small one stays whole; every element is written once."""
+    big = _decl((10, 400), Box((0, 0), (10, 400)), layout="replicated")  # 16,000 bytes
+    small = _decl((3,), Box((0,), (3,)), layout="replicated")
+    plan = build_global_plan([_plan({"big": big, "small": small}) for _ in range(4)], 2000)
+    shares = sorted((i.box, r, i.held) for r in range(4) for i in plan.writes(r) if i.key == "big")
+    assert [(box.offsets, box.lengths, r) for box, r, _ in shares] == [
+        ((0, 0), (3, 400), 0),
+        ((3, 0), (3, 400), 1),
+        ((6, 0), (2, 400), 2),
+        ((8, 0), (2, 400), 3),
+    ]
+    assert all(held == big.boxes[0] for *_, held in shares)
+    assert [i.key for r in range(4) for i in plan.writes(r)].count("small") == 1
+    assert plan.chunks == 5
+    # Whole, as before, where shares are off.
+    whole = build_global_plan([_plan({"big": big}) for _ in range(4)])
+    assert [i.box for r in range(4) for i in whole.writes(r)] == [big.boxes[0]]
+
+
+def test_fewer_shares_than_holders_take_turns() -> None:
+    """Boxes of 2 shares (too small for 4) held by 4 ranks: the tensors of a layout, then the
+    next layout, take turns among the holders; a box of 2 rows is cut in 2 at most."""
+    decl = _decl((8, 100), Box((0, 0), (8, 100)), layout="replicated")  # 3,200 bytes
+    tall = _decl((2, 1000), Box((0, 0), (2, 1000)), layout="replicated")  # 8,000 bytes
+    tensors = {f"t{i}": decl for i in range(3)} | {"tall": tall}
+    plan = build_global_plan([_plan(tensors) for _ in range(4)], 1600)
+    writers = {(i.key, i.box.offsets): r for r in range(4) for i in plan.writes(r)}
+    assert writers == {
+        **{(f"t{j}", (4 * s, 0)): (2 * j + s) % 4 for j in range(3) for s in range(2)},
+        ("tall", (0, 0)): 2,
+        ("tall", (1, 0)): 3,
+    }
+    assert rank_loads(plan) == [3200, 3200, 1600 + 4000, 1600 + 4000]
+
+
+def test_shares_of_replica_groups_and_their_chunk_map() -> None:
+    """HSDP: 2 replica groups of 2 shards; each shard is cut in 2 rows, one per replica."""
+    plans = [
+        _plan({"w": _decl((8, 4), Box((4 * (r % 2), 0), (4, 4)), layout="dtensor")})
+        for r in range(4)
+    ]
+    plan = build_global_plan(plans, 32)
+    written = sorted((i.box.offsets, i.box.lengths, r) for r in range(4) for i in plan.writes(r))
+    assert written == [
+        ((0, 0), (2, 4), 0),
+        ((2, 0), (2, 4), 2),
+        ((4, 0), (2, 4), 1),
+        ((6, 0), (2, 4), 3),
+    ]
+    lay = plan.chunk_map(np.arange(4)).layout("w")
+    assert lay is not None
+    assert sorted(zip(lay.coords[:, 0].tolist(), lay.files.tolist())) == [
+        (0, 0),
+        (2, 2),
+        (4, 1),
+        (6, 3),
+    ]

@@ -24,6 +24,7 @@ COMMANDS = {
     "diff": "compare two checkpoints",
     "convert": "export to safetensors, torch or dcp, or import from them",
     "bench": "benchmark checkpoint save/load against DCP, torch.save and other systems",
+    "run": "launch a training script, with spares that replace failed ranks in place",
 }
 
 

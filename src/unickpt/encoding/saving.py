@@ -116,12 +116,16 @@ def _check_range(key: str, first_row: int, view: torch.Tensor) -> None:
 def written_errors(
     items: tuple[WriteItem, ...], encoded: Mapping[str, EncodedTable]
 ) -> dict[str, ErrorSums]:
-    """The error sums of the quantized boxes this rank writes."""
+    """The error sums of the quantized boxes this rank writes. A box written in shares counts
+    once, with the share at its origin."""
     out: dict[str, ErrorSums] = {}
     for item in items:
         table = encoded.get(item.key)
-        if table is not None:
-            out.setdefault(item.key, ErrorSums()).add(table.errors[item.box])
+        if table is None:
+            continue
+        held = item.held or item.box
+        if item.box.offsets == held.offsets:
+            out.setdefault(item.key, ErrorSums()).add(table.errors[held])
     return out
 
 

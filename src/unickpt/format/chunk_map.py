@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import base64
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from .limits import MAX_NDIM
 
@@ -58,47 +57,6 @@ class ChunkMap:
     def layout(self, key: str) -> ChunkLayout | None:
         found = self.tensors.get(key)
         return None if found is None else self.layouts[found]
-
-
-def build_chunk_map(
-    ndims: Mapping[str, int],
-    keys: Sequence[str],
-    box_keys: np.ndarray,
-    box_coords: np.ndarray,
-    box_files: np.ndarray,
-) -> ChunkMap:
-    """The map of boxes given as arrays: ``box_keys`` (positions in ``keys``), ``box_coords``
-    (offsets then lengths, padded to the widest tensor: see :mod:`unickpt.planning.packed`)
-    and ``box_files``. Equal layouts are kept once."""
-    if not bool((np.diff(box_keys) >= 0).all()):  # tensor-major already, as plans are
-        order = np.argsort(box_keys, kind="stable")
-        box_keys, box_coords, box_files = box_keys[order], box_coords[order], box_files[order]
-    ends = np.searchsorted(box_keys, np.arange(len(keys) + 1)).tolist()
-    dims = box_coords.shape[1] // 2 if box_coords.ndim == 2 else 0
-    coords = np.ascontiguousarray(box_coords)  # int32 where the plan packed it so
-    files = np.ascontiguousarray(box_files)
-    seen: dict[tuple[int, bytes, bytes], list[int]] = {}
-    layouts: list[ChunkLayout] = []
-    tensors: dict[str, int] = {}
-    for k, key in enumerate(keys):
-        ndim = ndims[key]
-        rows = coords[ends[k] : ends[k + 1]]
-        if ndim != dims:
-            rows = np.concatenate([rows[:, :ndim], rows[:, dims : dims + ndim]], axis=1)
-        where = files[ends[k] : ends[k + 1]]
-        name = (ndim, xxhash.xxh3_128_digest(rows.data), xxhash.xxh3_128_digest(where.data))
-        same = seen.setdefault(name, [])
-        found = next((i for i in same if _equal(layouts[i], rows, where)), None)
-        if found is None:
-            found = len(layouts)
-            same.append(found)
-            layouts.append(ChunkLayout(ndim, rows.astype(np.int64), where.astype(np.int64)))
-        tensors[key] = found
-    return ChunkMap(tensors, tuple(layouts))
-
-
-def _equal(layout: ChunkLayout, coords: np.ndarray, files: np.ndarray) -> bool:
-    return np.array_equal(layout.coords, coords) and np.array_equal(layout.files, files)
 
 
 def encode_chunk_map(chunk_map: ChunkMap) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import binascii
 import json
 import logging
 import math
+import weakref
 import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -85,9 +86,23 @@ def encode_metadata(meta: Metadata) -> bytes:
     }
     if meta.references:
         doc["references"] = list(meta.references)
-    if meta.chunk_map is not None:
-        doc["chunk_map"] = encode_chunk_map(meta.chunk_map)
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    text = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+    if meta.chunk_map is not None:  # last, as a member of the document
+        text = f'{text[:-1]},"chunk_map":{_chunk_map_json(meta.chunk_map)}}}'
+    return text.encode("utf-8")
+
+
+_MAP_TEXT: weakref.WeakKeyDictionary[ChunkMap, str] = weakref.WeakKeyDictionary()
+
+
+def _chunk_map_json(chunk_map: ChunkMap) -> str:
+    """The JSON of a chunk map, kept while the map lives: a save whose plan is cached writes
+    the same map every time, and encoding it is most of the metadata's work at scale."""
+    text = _MAP_TEXT.get(chunk_map)
+    if text is None:
+        text = json.dumps(encode_chunk_map(chunk_map), separators=(",", ":"), allow_nan=False)
+        _MAP_TEXT[chunk_map] = text
+    return text
 
 
 def decode_metadata(raw: bytes, source: str) -> Metadata:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..dist import on_reset
 from ..errors import CheckpointError
 from .boxes import Box
 
@@ -43,6 +44,7 @@ def is_dtensor(value: Any) -> bool:
 # is outside the mesh. DTensor's own computation costs ~50 us a tensor, which a state of
 # thousands of tensors would pay on every save; layouts repeat from one save to the next.
 _LAYOUTS: dict[tuple[Any, ...], Layout | None] = {}
+on_reset(_LAYOUTS.clear)  # its meshes hold the process groups of a membership that ended
 _LAYOUTS_MAX = 1 << 16
 
 

@@ -48,8 +48,15 @@ def replica_specs(flat: Flattened) -> tuple[ReplicaSpec, ...]:
 
 
 def views_of(flat: Flattened, items: tuple[WriteItem, ...]) -> list[torch.Tensor]:
-    """The tensor of each item this rank writes (a box it holds)."""
+    """The tensor of each item this rank writes: a box it holds, or the rows of one that the
+    item is a share of."""
     by_box: dict[tuple[str, Box], torch.Tensor] = {
         (k, b): v for k, t in flat.tensors.items() for b, v in t.pieces
     }
-    return [by_box[(i.key, i.box)] for i in items]
+    views = []
+    for i in items:
+        if i.held is None:
+            views.append(by_box[(i.key, i.box)])
+        else:
+            views.append(by_box[(i.key, i.held)][i.box.relative_to(i.held)])
+    return views

@@ -78,7 +78,7 @@ def pattern_of(shape: tuple[int, ...], rows: np.ndarray) -> Pattern:
 
 
 def _pattern(shape: tuple[int, ...], rows: np.ndarray) -> Pattern:
-    first, inverse, counts = _distinct_rows(rows)
+    first, inverse, counts = group_rows(rows)
     dims, ndim = rows.shape[1] // 2, len(shape)
     distinct = rows[first]
     if not len(distinct):  # a tensor with no elements may have no chunk at all
@@ -93,7 +93,7 @@ def _pattern(shape: tuple[int, ...], rows: np.ndarray) -> Pattern:
     return Pattern(first, inverse, counts, fault)
 
 
-def _distinct_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def group_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(first, inverse, counts) of the distinct rows, in the order first met."""
     n, width = rows.shape
     if n == 0:

@@ -22,14 +22,16 @@ often in a background thread.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from ..dist import Broadcasting, decide
+from ..dist import Broadcasting, decide, generation
 from ..engine.references import needed_steps
 from ..errors import CheckpointError
 from ..format.metadata import COMMIT_FILE
 from ..storage.base import HeldLock, Storage
-from .identity import RootIdentity, ensure_root_id, identity_of, read_root_id
+from .identity import RootIdentity, ensure_root_id, identity_of, read_root_id, resolved_location
 from .names import committed_steps, step_folders, step_name
 
 log = logging.getLogger(__name__)
@@ -65,11 +67,14 @@ class Root:
 
     def lock(self) -> Callable[[], None]:
         """Take the root's writer lock on the coordinator (every rank learns the outcome);
-        the release to call at the end (a no-op on the other ranks)."""
+        the release to call at the end (a no-op on the other ranks). A lock this process took
+        before the job's membership changed (:func:`unickpt.dist.generation`) is taken over:
+        the Checkpointer made again after a failure owns it, the earlier one's release does
+        nothing."""
         held: list[HeldLock] = []
 
         def take() -> None:
-            held.append(self.storage.acquire_lock())
+            held.append(_take_lock(self.storage))
 
         decide(self.comm, f"locking the checkpoint root {self.location}", take)
         if not held:
@@ -178,3 +183,44 @@ class Root:
 
 def _no_op() -> None:
     return None
+
+
+@dataclass
+class _Held:
+    """A root's lock this process holds: the lock, the membership generation it was taken or
+    taken over in, and the token of the release that owns it now."""
+
+    lock: HeldLock
+    generation: int
+    owner: object
+
+
+_HELD: dict[str, _Held] = {}  # by the root's resolved location
+_HELD_LOCK = threading.Lock()
+
+
+def _take_lock(storage: Storage) -> HeldLock:
+    """The storage's lock, or the one this process holds from an older membership."""
+    key, token, now = resolved_location(storage), object(), generation()
+    with _HELD_LOCK:
+        held = _HELD.get(key)
+        if held is not None and held.generation < now:
+            log.info("taking over the lock of %s, held since before a failure", storage.location)
+            held.generation, held.owner = now, token
+            return HeldLock(_releaser(key, token), held.lock.check)
+    lock = storage.acquire_lock()  # raises when held by anyone, this process included
+    with _HELD_LOCK:
+        _HELD[key] = _Held(lock, now, token)
+    return HeldLock(_releaser(key, token), lock.check)
+
+
+def _releaser(key: str, token: object) -> Callable[[], None]:
+    def release() -> None:
+        with _HELD_LOCK:
+            held = _HELD.get(key)
+            if held is None or held.owner is not token:
+                return  # taken over by a later Checkpointer of this process
+            del _HELD[key]
+        held.lock.release()
+
+    return release

@@ -27,7 +27,7 @@ from ..engine.futures import SaveReport
 from ..engine.incremental import IncrementalSave
 from ..engine.timeline import Timeline
 from ..errors import CheckpointError
-from ..format.chunk_map import ChunkMap, build_chunk_map
+from ..format.chunk_map import ChunkMap
 from ..format.metadata import (
     FORMAT_VERSION,
     PER_RANK_ABSENT,
@@ -38,6 +38,7 @@ from ..format.metadata import (
     TensorMeta,
 )
 from ..format.values import needs_pickle
+from ..layouts.arrays import distinct
 from ..planning.save_plan import GlobalPlan
 from ..storage.base import Storage
 from .plan import PlannedSave
@@ -99,7 +100,8 @@ def commit_save(
     finally:
         if planned.release is not None:
             planned.release()
-    outcome, errors, clean = comm.broadcast((outcome, errors, clean))
+    failed: list[RankFailure | None] = [f for f in outcome if f is not None]  # few bytes
+    outcome, errors, clean = comm.broadcast((failed, errors, clean))
     if any(outcome) and clean:
         _remove_own_files(storage, planned.save_id, comm.rank, comm.is_coordinator)
     raise_failures(comm, "saving", outcome, caught)
@@ -174,20 +176,15 @@ def _metadata(
 
 
 def _chunk_map(plan: GlobalPlan, has_file: list[bool]) -> ChunkMap | None:
-    """Where each box of the plan is listed: the file of the rank that writes it (ranks
+    """Where each chunk of the plan is listed: the file of the rank that writes it (ranks
     without a file are left out of the metadata's files). Kept with the plan, which later
     saves of the same structure reuse."""
     kept = _MAPS.get(plan)
     if kept is not None and kept[0] == tuple(has_file):
         return kept[1]
     position = np.cumsum(has_file) - 1
-    writers = plan.box_writers
-    found = None
-    if not len(writers) or all(has_file[w] for w in set(writers.tolist())):
-        ndims = {k: len(shape) for k, (_, shape, _) in plan.tensors.items()}
-        found = build_chunk_map(
-            ndims, plan.names, plan.box_keys, plan.box_coords, position[writers]
-        )
+    writing = {w for lay in plan.layouts for w in distinct(lay.writers).tolist()}
+    found = plan.chunk_map(position) if all(has_file[w] for w in writing) else None
     _MAPS[plan] = (tuple(has_file), found)
     return found
 

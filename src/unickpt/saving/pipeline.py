@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import Config
-from ..dist import Comm, run_step
+from ..dist import Comm, RankFailure, failure_of
 from ..encoding.saving import EncodedTable, encode_leaves, written_errors
 from ..engine.commit import read_commit
 from ..engine.futures import SaveFuture, SaveReport
@@ -58,9 +58,8 @@ from ..planning.save_keys import rename_for_save
 from ..planning.save_plan import CHUNK_ALIGN
 from ..storage.base import Storage
 from .commit import Written, commit_save
-from .plan import PlannedSave, agreed_plan, cached_plan_key, check_replaceable
+from .plan import PlannedSave, agree, cached_plan_key, check_replaceable
 from .queue import QUEUE
-from .replicas import reduce_replicas
 from .write import write_rank_files
 
 log = logging.getLogger(__name__)
@@ -144,34 +143,42 @@ def plan(save: Save, state: dict[str, Any], failed: Exception | None = None) -> 
         # key does.
         values = {k: encode_value(v.value, k, o.allow_pickle) for k, v in flat.values.items()}
         per_rank = {k: encode_value(v.value, k, o.allow_pickle) for k, v in flat.per_rank.items()}
-        save_id = None
+        extra = None
         if comm.is_coordinator:
             if o.lock:
                 held.append(storage.acquire_lock())
             if read_commit(storage) is not None:
                 check_replaceable(storage, o.overwrite)
-            save_id = uuid.uuid4().hex[:12]
-        shared = (packed.signature(), cached_plan_key(), save_id, specs)
+            extra = (uuid.uuid4().hex[:12], save.config.replica_share_bytes)
+        ids = (packed.table_id, packed.kinds_id)
+        shared = (packed.signature(), cached_plan_key(), extra, ids, specs)
         return (flat, packed, values, per_rank), shared
 
+    local: Any = None
+    mine: Any = None
+    failure: RankFailure | None = None
+    caught: BaseException | None = None
     try:
-        (flat, packed, values, per_rank), shared = run_step(comm, "planning the save", describe)
-        reduce_replicas(comm, flat, [r for *_, r in shared])  # Replicated tensors, if any
-        global_plan, cached = agreed_plan(comm, packed, shared)
+        try:
+            local, mine = describe()
+        except Exception as e:  # noqa: BLE001 - reported to every rank by agree
+            failure, caught = failure_of(comm.rank, e), e
+        save_id, global_plan, cached = agree(comm, local, mine, failure, caught)
     except BaseException:
         for undo in held:
             undo()
         raise
+    flat, _, values, per_rank = local
     items = global_plan.writes(comm.rank)
     views = views_of(flat, items)
-    mine = {k: values[k] for k in global_plan.values_of(comm.rank)}
+    sent = {k: values[k] for k in global_plan.values_of(comm.rank)}
     return PlannedSave(
         comm,
-        shared[0][2],
+        save_id,
         global_plan,
         items,
         views,
-        mine,
+        sent,
         per_rank,
         cached,
         held[0] if held else None,

@@ -2,13 +2,14 @@
 
 The phase itself (:meth:`unickpt.saving.pipeline.Save.plan`): each rank flattens its state,
 replaces quantized tables by their stored rows, encodes its plain values and declares its
-local plan (:mod:`unickpt.planning.local_plan`); the coordinator meanwhile takes the lock,
-checks what the target holds (:func:`check_replaceable`) and draws the save's id. Every rank
-sends a 16-byte digest of its packed plan: when all match the cached plan, it is reused and
-nothing else is exchanged; otherwise the packed plans are all-gathered and the global plan is
-built (pure, on every rank; :mod:`unickpt.planning.save_plan`) (:func:`agreed_plan`).
-Replicated tensors are checked or averaged in between (:mod:`.replicas`). What can fail on
-one rank goes through ``run_step``, so every rank raises together or goes on together.
+local plan (:mod:`unickpt.planning.local_plan`), packed by kinds; the coordinator meanwhile
+takes the lock, checks what the target holds (:func:`check_replaceable`) and draws the save's
+id. Then :func:`agree`: when every rank's structure is that of the plan every rank has cached
+(and no rank holds Replicated tensors), one all-reduce of five integers says so and the
+coordinator broadcasts the save's id; otherwise every rank's description is all-gathered,
+Replicated tensors are checked or averaged (:mod:`.replicas`), and the global plan is built
+(pure, on every rank; :mod:`unickpt.planning.save_plan`) from plans whose shared tables and
+kinds are broadcast once each. A failure on one rank raises on every rank.
 """
 
 from __future__ import annotations
@@ -18,18 +19,40 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..dist import Comm, run_step
+from ..dist import Comm, RankFailure, on_reset, raise_failures, run_step
 from ..encoding.rowwise import ErrorSums
 from ..encoding.saving import EncodedTable
 from ..engine.references import dependents
 from ..errors import CheckpointError, CheckpointExistsError
-from ..planning.packed import PackedPlan
+from ..planning.packed import (
+    PackedPlan,
+    first_holders,
+    shared_parts,
+    with_shared,
+    without_shared,
+)
 from ..planning.save_plan import GlobalPlan, WriteItem, build_global_plan
 from ..storage.base import Storage
+from .replicas import reduce_replicas
 
-_PLAN_CACHE: dict[str, GlobalPlan] = {}
+
+@dataclass(frozen=True)
+class _CachedPlan:
+    """The plan of the last structure saved, with this rank's signature, its rank among how
+    many, and the share size it was made with."""
+
+    plan: GlobalPlan
+    signature: str
+    rank: int
+    world_size: int
+    share_bytes: int
+
+
+_PLAN_CACHE: dict[str, _CachedPlan] = {}
+on_reset(_PLAN_CACHE.clear)  # a plan of the job's old membership is never offered again
 
 
 @dataclass
@@ -90,24 +113,91 @@ def cached_plan_key() -> str | None:
     return next(iter(_PLAN_CACHE), None)
 
 
-def agreed_plan(
-    comm: Comm, packed: PackedPlan, shared: list[tuple[Any, ...]]
-) -> tuple[GlobalPlan, bool]:
-    """The global plan, and whether it was the cached one: reused when every rank's digest
-    matches the cache, else built from the all-gathered plans. Building is pure and run on
-    every rank over the same plans; run_step still gathers the outcome, so that a rank failing
-    alone (out of memory) cannot leave the others waiting."""
-    key = hashlib.blake2b(repr(tuple(s for s, *_ in shared)).encode(), digest_size=16).hexdigest()
+def agree(
+    comm: Comm,
+    local: Any,
+    mine: Any,
+    failure: RankFailure | None,
+    caught: BaseException | None,
+) -> tuple[str, GlobalPlan, bool]:
+    """The save's id, the global plan, and whether it was the cached one. ``local``: this
+    rank's (flattened state, packed plan, ...); ``mine``: its description (signature, cached
+    key, the coordinator's (save id, share size), table and kinds digests, replica specs);
+    ``failure``: what failed on this rank while describing (raised on every rank)."""
+    reused = _reused_plan(comm, mine if failure is None else None)
+    if reused is not None:
+        (save_id, _), plan = reused
+        return save_id, plan, True
+    gathered = comm.all_gather((failure, mine))
+    raise_failures(comm, "planning the save", [f for f, _ in gathered], caught)
+    shared = [s for _, s in gathered]
+    save_id, share_bytes = shared[0][2]
+    key = _plan_key((*(s for s, *_ in shared), str(share_bytes)))
     cached = all(c == key for _, c, *_ in shared)
-    found = _PLAN_CACHE.get(key) if cached else None
-    if found is not None:
-        return found, True
-    plans = comm.all_gather(packed)
+    reduce_replicas(comm, local[0], [r for *_, r in shared])  # Replicated tensors, if any
+    entry = _PLAN_CACHE.get(key) if cached else None
+    if entry is None:
+        plan = _agree_on_plan(comm, local[1], [s[3] for s in shared], share_bytes)
+        entry = _CachedPlan(plan, mine[0], comm.rank, comm.world_size, share_bytes)
+        _PLAN_CACHE.clear()
+        _PLAN_CACHE[key] = entry
+    return save_id, entry.plan, cached
+
+
+def _plan_key(signatures: tuple[str, ...]) -> str:
+    return hashlib.blake2b(repr(signatures).encode(), digest_size=16).hexdigest()
+
+
+def _reused_plan(comm: Comm, mine: Any) -> tuple[tuple[str, int], GlobalPlan] | None:
+    """The coordinator's (save id, share size) and the cached plan, where every rank described
+    its state (``mine``, None where it failed) with the structure, and at the rank, of the plan
+    every rank has cached, the coordinator with the same share size, and no rank holds
+    Replicated tensors (their copies are compared by the full exchange); else None. Ranks that
+    all cached one plan, of as many ranks as they are, each at its rank then, are the ranks
+    that made it. One all-reduce of five integers and one broadcast: a save of an unchanged
+    structure exchanges as much per rank at any world size."""
+    entry = _PLAN_CACHE.get(mine[1]) if mine is not None and mine[1] is not None else None
+    fresh = (
+        entry is not None
+        and entry.signature == mine[0]
+        and (entry.rank, entry.world_size) == (comm.rank, comm.world_size)
+        and not mine[4]
+        and (mine[2] is None or mine[2][1] == entry.share_bytes)
+    )
+    key = (int(mine[1][:15], 16), int(mine[1][15:30], 16)) if fresh else (0, 0)
+    agreed = comm.max_across(np.array([not fresh, *key, -key[0], -key[1]], dtype=np.int64))
+    if agreed[0] or agreed[1] != -agreed[3] or agreed[2] != -agreed[4]:
+        return None
+    assert entry is not None
+    return comm.broadcast(mine[2]), entry.plan
+
+
+def _agree_on_plan(
+    comm: Comm, plan: PackedPlan, ids: list[tuple[bytes, bytes]], share_bytes: int
+) -> GlobalPlan:
+    """Exchange the local plans and build the global one. Pure and run on every rank over the
+    same plans; run_step still gathers the outcome, so that a rank failing alone (out of
+    memory) cannot leave the others waiting."""
+    plans = _exchange_plans(comm, plan, ids)
 
     def build() -> tuple[GlobalPlan, None]:
-        return build_global_plan(plans), None
+        return build_global_plan(plans, share_bytes), None
 
     built, _ = run_step(comm, "planning the save", build)
-    _PLAN_CACHE.clear()
-    _PLAN_CACHE[key] = built
-    return built, cached
+    return built
+
+
+def _exchange_plans(
+    comm: Comm, plan: PackedPlan, ids: list[tuple[bytes, bytes]]
+) -> list[PackedPlan]:
+    """Every rank's plan. Ranks split alike send equal tables and kinds (``ids``: their
+    digests, already exchanged): each distinct one is broadcast once by the first rank holding
+    it, and the plans are all-gathered without them, so a rank receives a few rows per rank
+    rather than every rank's table."""
+    owners = first_holders(ids)
+    gathered = comm.all_gather(without_shared(plan))
+    parts: dict[bytes, Any] = {}
+    for src in sorted(set(owners.values())):
+        sent = shared_parts(plan, owners, src) if src == comm.rank else {}
+        parts.update(comm.broadcast(sent, src))
+    return [with_shared(p, parts) for p in gathered]

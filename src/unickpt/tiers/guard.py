@@ -5,7 +5,9 @@ the main thread; elsewhere only exceptions are caught). On a signal, or an excep
 the block (``SystemExit`` and ``KeyboardInterrupt`` included), ``down()`` runs once (it bounds
 its own time), and then the process goes on as it would have: the exception is re-raised; a
 signal gets its previous handler, or with the default action, is raised again, so the process
-ends by that signal. The handlers are put back when the block ends.
+ends by that signal. The handlers are put back when the block ends. A survivor of a failure
+that recovers in the same process (:class:`~unickpt.errors.MembershipChanged`) is not going
+down: nothing runs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
+
+from ..errors import MembershipChanged
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -48,6 +52,8 @@ def guard(down: Callable[[], None]) -> Iterator[None]:
             previous[sig] = signal.signal(sig, handler)
     try:
         yield
+    except MembershipChanged:
+        raise
     except BaseException:
         once()
         raise

@@ -81,6 +81,20 @@ class SaveSettings:
     layout: LayoutMap | None = None
 
 
+_RUNNING: set[_Persist] = set()  # every persist under way in this process
+_RUNNING_LOCK = threading.Lock()
+
+
+def wait_persists(timeout_s: float) -> bool:
+    """Wait for the persists under way in this process (those of a Checkpointer of an earlier
+    membership of the job too: a new one would take their folders in storage for debris);
+    whether they all ended within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    return all(p.join(max(0.0, deadline - time.monotonic())) for p in running)
+
+
 class _Persist:
     """One background persist: its step and thread."""
 
@@ -93,9 +107,14 @@ class _Persist:
                 work()
             except BaseException as e:  # noqa: BLE001 - reported at the next save or close
                 self.error = e
+            finally:
+                with _RUNNING_LOCK:
+                    _RUNNING.discard(self)
 
         # Not a daemon: an interpreter that exits finishes the persist first.
         self.thread = threading.Thread(target=run, name="unickpt-persist", daemon=False)
+        with _RUNNING_LOCK:
+            _RUNNING.add(self)
         self.thread.start()
 
     def join(self, timeout_s: float | None = None) -> bool:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import unickpt
-from unickpt.engine.row_deltas import changed_runs, row_digests
+from unickpt.engine.incremental import changed_runs, row_digests
 from unickpt.engine.tensor_reader import CheckpointReader
 from unickpt.layouts.boxes import Box
 from unickpt.tools.verify import verify_checkpoint

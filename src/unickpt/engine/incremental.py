@@ -21,12 +21,33 @@ Retention keeps every step a kept checkpoint refers to.
 
 Memory: the basis and a save's digests hold one 16-character checksum per segment (1 MiB) plus
 about 200 bytes per chunk; no tensor bytes are kept or copied (a source that is not contiguous
-CPU memory is copied once for hashing and again for writing, as the write path does). Tables
-compared row by row add what :mod:`unickpt.engine.row_deltas` says.
+CPU memory is copied once for hashing and again for writing, as the write path does).
+
+Changed rows only: an embedding table's save writes the rows that changed since the last.
+For a 2-D chunk whose key matches one of a Checkpointer's ``row_deltas`` patterns, each save
+computes a 64-bit digest of every row (every byte of it, mixed nonlinearly; computed with torch
+over blocks of rows) and compares it with the row digests of the previous save. Runs of changed
+rows are written as chunks of their own; runs of unchanged rows refer to the bytes where the
+previous saves left them (the rows of a base chunk, or of an earlier run), one hop away, as
+boxes of whole rows: the format needs nothing beyond references (docs/format.md), and loading,
+resharding, ``verify`` and ``convert`` see an ordinary tiling of the table into row boxes.
+
+A table is written whole (a new base) when it has no previous digests, when more than
+``MAX_CHANGED_FRACTION`` of its rows changed, or when its changed rows plus the index entries
+of its pieces (``PIECE_INDEX_BYTES`` each) would cost more than ``MAX_CHANGED_FRACTION`` of the
+whole table; the Checkpointer's ``full_every`` compacts every table as well.
+
+Memory: 8 bytes per row of each tracked chunk are kept between saves (the row digests), plus
+one small record per piece; while digesting, about three blocks of ``BLOCK_ROWS`` rows as int64
+words. The pieces of one table are one entry of the rank's index (``runs`` in
+docs/format.md): per piece its row count, file, byte offset and checksum, about 35 bytes of
+JSON, so scattered changes to narrow (quantized) rows still cost index bytes comparable to the
+rows themselves.
 """
 
 from __future__ import annotations
 
+import logging
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,17 +63,19 @@ from ..layouts.boxes import Box
 from ..planning.save_plan import CHUNK_ALIGN, WriteItem
 from .checksum import segment_digests
 from .compress import pack
-from .row_deltas import (
-    MAX_CHANGED_FRACTION,
-    changed_runs,
-    pieces_pay,
-    row_checksums,
-    row_digests,
-    sub_box,
-)
+from .data_file import WriteResult
 from .sources import ItemSource
 
+log = logging.getLogger(__name__)
+
 _HASH_PIECE_SEGMENTS = 64
+BLOCK_ROWS = 1 << 14
+MAX_CHANGED_FRACTION = 0.5
+PIECE_INDEX_BYTES = 40
+
+_K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_K2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_K3 = -7723592293110705685  # 0x94D049BB133111EB
 
 
 @dataclass(frozen=True)
@@ -87,7 +110,7 @@ _Chunks = dict[tuple[str, Box], StoredChunk]
 @dataclass(frozen=True)
 class StoredRows:
     """A table saved as row pieces: rows ``[start, stop)`` lie in each piece's chunk, and the
-    digest of every row (:func:`~unickpt.engine.row_deltas.row_digests`) at that save."""
+    digest of every row (:func:`row_digests`) at that save."""
 
     pieces: tuple[tuple[int, int, StoredChunk], ...]
     digests: torch.Tensor
@@ -97,7 +120,7 @@ class Basis:
     """What one rank of a Checkpointer saved last; decides each save's kind (full or not).
 
     Keys matching one of ``row_patterns`` (:func:`fnmatch.fnmatchcase`) whose chunks are 2-D
-    are compared row by row (:mod:`unickpt.engine.row_deltas`).
+    are compared row by row (see the module's docstring).
     """
 
     def __init__(self, full_every: int, row_patterns: Sequence[str] = ()) -> None:
@@ -175,7 +198,26 @@ class IncrementalSave:
     written_rows: dict[tuple[str, Box], StoredRows] = field(default_factory=dict)
     referenced_steps: tuple[str, ...] = ()
 
-    def plan(
+    def changes(
+        self,
+        items: Sequence[WriteItem],
+        sources: Sequence[ItemSource],
+        compress: Sequence[bool],
+        threads: int,
+    ) -> Changed | None:
+        """What this save writes of ``items`` (``compress``: which are compressed where
+        written) and what it refers to; None for a full save, which writes every item as
+        planned (the row digests of its tables are taken, for the next save to compare with).
+        """
+        if self.full:
+            for it, src in zip(items, sources):
+                if self.basis.tracks_rows(it):
+                    digests = row_digests(src.contiguous_bytes(), it.box.lengths[0])
+                    self.written_rows[(it.key, it.box)] = StoredRows((), digests)
+            return None
+        return _changed(self._pieces_of(items, sources, threads), compress)
+
+    def _pieces_of(
         self, items: Sequence[WriteItem], sources: Sequence[ItemSource], threads: int
     ) -> list[list[Piece]]:
         """Each item as pieces: to write (with their checksums) or stored already."""
@@ -234,8 +276,7 @@ class IncrementalSave:
                 pieces = self._pieces(item, source, data, row_bytes, changed, before)
         written = sum(p.box.lengths[0] for p in pieces if p.stored is None) * row_bytes
         if not pieces or not pieces_pay(written, len(pieces), item.nbytes):
-            sums = tuple(segment_digests(buffer_of(data), self.segment_bytes))
-            return [Piece(item.box, None, source, sums)]
+            return [Piece(item.box, None, source, checksums_of(data, self.segment_bytes))]
         return pieces
 
     def _pieces(
@@ -252,7 +293,7 @@ class IncrementalSave:
         out = []
         for a, b, is_changed in changed_runs(changed):
             if is_changed:
-                sums = row_checksums(data, row_bytes, a, b, seg)
+                sums = checksums_of(data[a * row_bytes : b * row_bytes], seg)
                 out.append(Piece(sub_box(item.box, a, b), None, rows_of(source, a, b), sums))
                 continue
             for j in range(bisect_right(starts, a) - 1, len(starts)):
@@ -262,17 +303,10 @@ class IncrementalSave:
                 lo, hi = max(a, p0), min(b, p1)
                 if (lo, hi) != (p0, p1):
                     offset = stored.byte_offset + (lo - p0) * row_bytes
-                    sums = row_checksums(data, row_bytes, lo, hi, seg)
+                    sums = checksums_of(data[lo * row_bytes : hi * row_bytes], seg)
                     stored = StoredChunk(stored.location, offset, (hi - lo) * row_bytes, sums)
                 out.append(Piece(sub_box(item.box, lo, hi), stored, None, stored.checksums))
         return out
-
-    def digest_rows(self, items: Sequence[WriteItem], sources: Sequence[ItemSource]) -> None:
-        """A full save: the row digests of the tables, for the next save to compare with."""
-        for it, src in zip(items, sources):
-            if self.basis.tracks_rows(it):
-                digests = row_digests(src.contiguous_bytes(), it.box.lengths[0])
-                self.written_rows[(it.key, it.box)] = StoredRows((), digests)
 
     def record(
         self,
@@ -319,6 +353,91 @@ class Piece:
     stored: StoredChunk | None
     source: ItemSource | None
     checksums: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Changed:
+    """What an incremental save writes: the changed pieces laid out back to back (``items``,
+    read from ``sources``, with their ``checksums``; ``compress``, which are compressed), and
+    the chunks of every planned item, a written one in file 0 (in order) and an unchanged one
+    in the file ``refs`` numbers from 1; ``content``, the raw checksums of each item saved
+    whole."""
+
+    items: tuple[WriteItem, ...]
+    sources: list[ItemSource]
+    checksums: list[tuple[str, ...]]
+    compress: list[bool]
+    chunks: list[list[ChunkMeta]]
+    refs: list[FileLocation]
+    content: list[tuple[str, ...]]
+
+    def placed(self, result: WriteResult) -> list[list[ChunkMeta]]:
+        """The chunks, those written placed and compressed as the write of ``result`` stored
+        them; unchanged when it stored them as laid out."""
+        if not result.placed:
+            return self.chunks
+        written = iter(zip(result.placed, result.checksums))
+        out = []
+        for cs in self.chunks:
+            row = []
+            for c in cs:
+                if c.file == 0:
+                    (at, packed), sums = next(written)
+                    c = replace(c, byte_offset=at, checksums=sums, compression=packed)
+                row.append(c)
+            out.append(row)
+        return out
+
+
+def _changed(pieces: list[list[Piece]], compress: Sequence[bool]) -> Changed:
+    """The pieces to write, laid out back to back, and the chunks of every item."""
+    writes = [p for ps in pieces for p in ps if p.stored is None]
+    sources = [p.source for p in writes if p.source is not None]
+    laid = relaid(
+        [
+            WriteItem("", p.box, 0, s.view.numel() * s.view.element_size())
+            for p, s in zip(writes, sources)
+        ]
+    )
+    refs = sorted({p.stored.location for ps in pieces for p in ps if p.stored is not None})
+    number = {loc: n + 1 for n, loc in enumerate(refs)}
+    at = iter(laid)
+    chunks: list[list[ChunkMeta]] = []
+    for ps in pieces:
+        out = []
+        for p in ps:
+            if p.stored is None:
+                it = next(at)
+                c = ChunkMeta(
+                    p.box.offsets, p.box.lengths, 0, it.byte_offset, it.nbytes, p.checksums
+                )
+            else:
+                s = p.stored
+                c = ChunkMeta(
+                    p.box.offsets,
+                    p.box.lengths,
+                    number[s.location],
+                    s.byte_offset,
+                    s.nbytes,
+                    s.checksums,
+                    s.compression,
+                )
+            out.append(c)
+        chunks.append(out)
+    log.debug(
+        "incremental save: %d pieces written, %d referred to",
+        len(writes),
+        sum(map(len, pieces)) - len(writes),
+    )
+    return Changed(
+        laid,
+        sources,
+        [p.checksums for p in writes],
+        [f for f, ps in zip(compress, pieces) for p in ps if p.stored is None],
+        chunks,
+        refs,
+        [ps[0].checksums if len(ps) == 1 else () for ps in pieces],  # raw, by the plan
+    )
 
 
 def rows_of(source: ItemSource, start: int, stop: int) -> ItemSource:
@@ -368,16 +487,75 @@ def hash_items(
         for start in (range(0, max(n, 1), step) if src.direct else (0,))
     ]
 
-    def run(task: tuple[int, int]) -> list[str]:
+    def run(task: tuple[int, int]) -> tuple[str, ...]:
         i, start = task
         src = sources[i]
         data = src.contiguous_bytes()
         stop = start + step if src.direct else nbytes[i]
-        return segment_digests(buffer_of(data[start:stop]), segment)
+        return checksums_of(data[start:stop], segment)
 
     with ThreadPoolExecutor(threads, thread_name_prefix="unickpt-hash") as pool:
         pieces = list(pool.map(run, tasks))
-    out: list[list[str]] = [[] for _ in sources]
+    out: list[tuple[str, ...]] = [() for _ in sources]
     for (i, _), sums in zip(tasks, pieces):
         out[i] += sums
-    return [tuple(s) for s in out]
+    return out
+
+
+def checksums_of(data: torch.Tensor, segment: int) -> tuple[str, ...]:
+    """The checksums of the bytes ``data`` (a uint8 tensor), one per ``segment`` bytes."""
+    return tuple(segment_digests(buffer_of(data), segment))
+
+
+def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 words."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ _shift(x, 30)
+    x = x * _K2
+    x = x ^ _shift(x, 27)
+    x = x * _K3
+    return x ^ _shift(x, 31)
+
+
+def row_digests(data: torch.Tensor, rows: int) -> torch.Tensor:
+    """A 64-bit digest of each of the ``rows`` equal rows of the bytes ``data`` (int64)."""
+    if rows == 0:
+        return torch.empty(0, dtype=torch.int64)
+    table = data.reshape(rows, -1)
+    width = table.shape[1]
+    words = -(-width // 8)
+    salt = torch.arange(1, words + 1, dtype=torch.int64) * _K1
+    out = torch.empty(rows, dtype=torch.int64)
+    for lo in range(0, rows, BLOCK_ROWS):
+        block = table[lo : lo + BLOCK_ROWS]
+        if width % 8:
+            padded = torch.zeros(block.shape[0], words * 8, dtype=torch.uint8)
+            padded[:, :width] = block
+            block = padded
+        x = block.contiguous().view(torch.int64) + salt
+        out[lo : lo + block.shape[0]] = _mix(_mix(x).sum(dim=1))
+    return out
+
+
+def changed_runs(changed: torch.Tensor) -> list[tuple[int, int, bool]]:
+    """Maximal runs ``(start, stop, changed)`` of a boolean row mask."""
+    n = changed.numel()
+    if n == 0:
+        return []
+    cuts = (torch.nonzero(changed[1:] != changed[:-1]).flatten() + 1).tolist()
+    bounds = [0, *cuts, n]
+    flags = changed[torch.tensor(bounds[:-1])].tolist()
+    return [(a, b, bool(f)) for a, b, f in zip(bounds[:-1], bounds[1:], flags)]
+
+
+def sub_box(box: Box, start: int, stop: int) -> Box:
+    """Rows ``[start, stop)`` of a 2-D box (counted from the box's first row)."""
+    return Box((box.offsets[0] + start, *box.offsets[1:]), (stop - start, *box.lengths[1:]))
+
+
+def pieces_pay(written_bytes: int, pieces: int, table_bytes: int) -> bool:
+    """Whether writing ``written_bytes`` as ``pieces`` pieces beats writing the table whole."""
+    return written_bytes + pieces * PIECE_INDEX_BYTES <= MAX_CHANGED_FRACTION * table_bytes

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 from ..config import Config
 from ..engine.checksum import digest
 from ..engine.commit import data_name, index_name
 from ..engine.data_file import WriteResult, write_file
-from ..engine.incremental import IncrementalSave, Piece, relaid
+from ..engine.incremental import IncrementalSave
 from ..engine.sources import ItemSource, StagedParts
 from ..engine.timeline import Timeline
 from ..format.codec import encode_index
@@ -29,8 +28,6 @@ from ..storage.base import Storage
 from .plan import PlannedSave
 
 log = logging.getLogger(__name__)
-
-_WriteIndex = Callable[..., None]
 
 
 def write_rank_files(
@@ -66,9 +63,9 @@ def write_rank_files(
         written.append(FileRef(name, result.nbytes, index, len(raw), digest(memoryview(raw))))
 
     flags = _compressed(compress, incremental, items)
-    if incremental is None or incremental.full:
-        if incremental is not None:
-            incremental.digest_rows(items, sources)
+    threads = config.io_threads
+    changed = None if incremental is None else incremental.changes(items, sources, flags, threads)
+    if changed is None:
 
         def write_full_index(result: WriteResult) -> None:
             chunks = [
@@ -92,85 +89,19 @@ def write_rank_files(
     else:
         if stager is not None:
             raise AssertionError("an incremental save is not staged through a bounded ring")
-        _write_changed(
+        write_file(
             storage,
             name,
-            items,
-            sources,
+            changed.items,
+            changed.sources,
             config,
-            incremental,
-            flags,
             progress,
-            write_index,
-            timeline,
+            changed.checksums,
+            alongside=lambda r: write_index(r, changed.placed(r), changed.refs, changed.content),
+            compress=changed.compress,
+            timeline=timeline,
         )
     return written[0]
-
-
-def _write_changed(
-    storage: Storage,
-    name: str,
-    items: tuple[WriteItem, ...],
-    sources: list[ItemSource],
-    config: Config,
-    inc: IncrementalSave,
-    flags: list[bool],
-    progress: Callable[[int, int], None] | None,
-    write_index: _WriteIndex,
-    timeline: Timeline | None = None,
-) -> None:
-    """Hash every item, write the changed pieces back to back, refer to the others; the index
-    is written with ``write_index`` while the data file is completed."""
-    pieces = inc.plan(items, sources, config.io_threads)
-    writes = [p for ps in pieces for p in ps if p.stored is None]
-    laid = relaid([WriteItem("", p.box, 0, _nbytes(p)) for p in writes])
-    write_sources = [p.source for p in writes if p.source is not None]
-    refs = sorted({p.stored.location for ps in pieces for p in ps if p.stored is not None})
-    number = {loc: n + 1 for n, loc in enumerate(refs)}
-    at = iter(laid)
-    content = [ps[0].checksums if len(ps) == 1 else () for ps in pieces]  # raw, by the plan
-    chunks: list[list[ChunkMeta]] = []
-    for ps in pieces:
-        out = []
-        for p in ps:
-            if p.stored is None:
-                it = next(at)
-                out.append(
-                    ChunkMeta(
-                        p.box.offsets, p.box.lengths, 0, it.byte_offset, it.nbytes, p.checksums
-                    )
-                )
-            else:
-                s = p.stored
-                out.append(
-                    ChunkMeta(
-                        p.box.offsets,
-                        p.box.lengths,
-                        number[s.location],
-                        s.byte_offset,
-                        s.nbytes,
-                        s.checksums,
-                        s.compression,
-                    )
-                )
-        chunks.append(out)
-    log.debug(
-        "incremental save: %d pieces written, %d referred to",
-        len(writes),
-        sum(map(len, pieces)) - len(writes),
-    )
-    write_file(
-        storage,
-        name,
-        laid,
-        write_sources,
-        config,
-        progress,
-        [p.checksums for p in writes],
-        alongside=lambda result: write_index(result, _placed(chunks, result), refs, content),
-        compress=[f for f, ps in zip(flags, pieces) for p in ps if p.stored is None],
-        timeline=timeline,
-    )
 
 
 def _compressed(
@@ -179,26 +110,3 @@ def _compressed(
     """Which items are compressed where written: all with ``compress``, but those of tables
     an incremental save compares row by row (later saves refer to rows of their bytes)."""
     return [compress and not (inc and inc.basis.tracks_rows(it)) for it in items]
-
-
-def _placed(chunks: list[list[ChunkMeta]], result: WriteResult) -> list[list[ChunkMeta]]:
-    """The chunks, those written (``file`` 0, in order) placed and compressed as the write
-    of ``result`` stored them; unchanged when it stored them as laid out."""
-    if not result.placed:
-        return chunks
-    written = iter(zip(result.placed, result.checksums))
-    out = []
-    for cs in chunks:
-        row = []
-        for c in cs:
-            if c.file == 0:
-                (at, packed), sums = next(written)
-                c = replace(c, byte_offset=at, checksums=sums, compression=packed)
-            row.append(c)
-        out.append(row)
-    return out
-
-
-def _nbytes(p: Piece) -> int:
-    assert p.source is not None
-    return p.source.view.numel() * p.source.view.element_size()

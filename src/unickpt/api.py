@@ -31,8 +31,8 @@ from .layouts.rules import LayoutMap, applying
 from .planning.load_keys import KeyMap
 from .planning.save_keys import StateKeys
 from .saving import pipeline
-from .saving.pipeline import Save, SaveOptions
 from .saving.queue import QUEUE
+from .saving.save import Save, SaveOptions
 from .storage.base import Storage
 from .storage.registry import open_storage
 

@@ -37,7 +37,8 @@ from .planning.save_keys import StateKeys
 from .root import Root, RootIdentity
 from .root.names import committed_steps, open_checkpoint, step_folders, step_name
 from .saving import pipeline
-from .saving.pipeline import MODES, Save, SaveOptions
+from .saving.pipeline import MODES
+from .saving.save import Save, SaveOptions
 from .storage.base import Storage
 from .storage.registry import open_storage
 from .tuning import IntervalTuner, Tuning

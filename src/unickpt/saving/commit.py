@@ -1,4 +1,5 @@
-"""The commit phase of a save: every rank's outcome gathered, the checkpoint committed once.
+"""The commit phase of a save (:func:`commit`): every rank's outcome gathered, the checkpoint
+committed once.
 
 Each rank sends what its write left (its files, or its failure), its per-rank values, the plain
 values the plan gave it and its quantization errors to the coordinator, which, when no rank
@@ -22,9 +23,9 @@ from .._version import __version__
 from ..config import Config
 from ..dist import RankFailure, failure_of, raise_failures
 from ..encoding.saving import merge_errors, with_encodings
-from ..engine.commit import commit, data_name, index_name, metadata_name, read_commit
+from ..engine.commit import commit as commit_files
+from ..engine.commit import data_name, index_name, metadata_name, read_commit
 from ..engine.futures import SaveReport
-from ..engine.incremental import IncrementalSave
 from ..engine.timeline import Timeline
 from ..errors import CheckpointError
 from ..format.chunk_map import ChunkMap
@@ -42,30 +43,28 @@ from ..layouts.arrays import distinct
 from ..planning.save_plan import GlobalPlan
 from ..storage.base import Storage
 from .plan import PlannedSave
+from .save import Save
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Written:
-    """What the write phase left on this rank: its files, or the error that stopped it."""
+    """What the write phase left on this rank: its files, or the error that stopped it; the
+    save's timeline so far (the plan's and the write's stages)."""
 
     ref: FileRef | None
     error: Exception | None
     seconds: float
+    timeline: Timeline
 
 
-def commit_save(
-    planned: PlannedSave,
-    storage: Storage,
-    written: Written,
-    config: Config,
-    compress: bool,
-    incremental: IncrementalSave | None,
-    timeline: Timeline,
-) -> SaveReport:
-    """Gather, commit on the coordinator, release the lock; raise everywhere on failure."""
+def commit(save: Save, planned: PlannedSave, written: Written) -> SaveReport:
+    """Phase 5: gather, commit on the coordinator, release the lock; raise everywhere on
+    failure; then ``on_commit``."""
     t0 = time.perf_counter()
+    storage, config, o, timeline = save.storage, save.config, save.options, written.timeline
+    compress, incremental = o.compress, o.incremental
     comm = planned.comm
     failure = None if written.error is None else failure_of(comm.rank, written.error)
     caught: BaseException | None = written.error
@@ -92,7 +91,7 @@ def commit_save(
                     errors = merge_errors([g[5] for g in gathered])
                     with timeline.timed("commit"):
                         meta = _metadata(planned, gathered, config, errors, compress)
-                        commit(storage, meta, planned.save_id)
+                        commit_files(storage, meta, planned.save_id)
                 except Exception as e:  # noqa: BLE001 - reported to every rank
                     outcome = [failure_of(comm.rank, e)]
                     caught = e
@@ -109,9 +108,12 @@ def commit_save(
         incremental.adopt()
     total = written.ref.nbytes if written.ref else 0
     commit_s = time.perf_counter() - t0
-    return SaveReport(
+    report = SaveReport(
         total, written.seconds, commit_s, planned.plan_cached, errors, timeline.seconds()
     )
+    if o.on_commit is not None:
+        o.on_commit()
+    return report
 
 
 def _proven_uncommitted(storage: Storage, save_id: str) -> bool:

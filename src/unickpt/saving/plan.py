@@ -1,6 +1,7 @@
-"""The plan phase's parts: the planned save, what a target may hold, the agreed global plan.
+"""The plan phase of a save (:func:`plan`): the planned save, what a target may hold, the
+agreed global plan.
 
-The phase itself (:meth:`unickpt.saving.pipeline.Save.plan`): each rank flattens its state,
+Each rank flattens its state,
 replaces quantized tables by their stored rows, encodes its plain values and declares its
 local plan (:mod:`unickpt.planning.local_plan`), packed by kinds; the coordinator meanwhile
 takes the lock, checks what the target holds (:func:`check_replaceable`) and draws the save's
@@ -15,6 +16,8 @@ kinds are broadcast once each. A failure on one rank raises on every rank.
 from __future__ import annotations
 
 import hashlib
+import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,11 +25,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..dist import Comm, RankFailure, on_reset, raise_failures, run_step
+from ..dist import Comm, RankFailure, failure_of, on_reset, raise_failures, run_step
 from ..encoding.rowwise import ErrorSums
-from ..encoding.saving import EncodedTable
+from ..encoding.saving import EncodedTable, encode_leaves, written_errors
+from ..engine.commit import read_commit
 from ..engine.references import dependents
 from ..errors import CheckpointError, CheckpointExistsError
+from ..format.values import encode_value
+from ..planning.flatten import flatten_state
+from ..planning.local_plan import local_plan, replica_specs, views_of
 from ..planning.packed import (
     PackedPlan,
     first_holders,
@@ -34,9 +41,11 @@ from ..planning.packed import (
     with_shared,
     without_shared,
 )
+from ..planning.save_keys import rename_for_save
 from ..planning.save_plan import GlobalPlan, WriteItem, build_global_plan
 from ..storage.base import Storage
 from .replicas import reduce_replicas
+from .save import Save
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,80 @@ class PlannedSave:
     def file_bytes(self) -> int:
         """The size of this rank's data file (its items and the padding between them)."""
         return self.items[-1].byte_offset + self.items[-1].nbytes if self.items else 0
+
+
+def plan(save: Save, state: dict[str, Any], failed: Exception | None = None) -> PlannedSave:
+    """Phase 2, on every rank together (see the module's docstring): flatten, encode, agree on the
+    plan (cached while the structure is unchanged). On failure nothing was written and no
+    lock is left held. ``lock=False``: the caller holds a lock that covers the target (a
+    Checkpointer holds its root's), so the save takes none of its own. ``keys`` renames the
+    state's keys to the saved ones (:func:`rename_for_save`). ``failed``: what
+    failed on this rank before the save (a zero-stall save's capture), raised in the planning
+    step, so that every rank raises it instead of waiting for this one."""
+    t0 = time.perf_counter()
+    comm, storage, o = save.comm, save.storage, save.options
+    held: list[Callable[[], None]] = []
+    encoded: dict[str, EncodedTable] = {}
+    state_keys: dict[str, str] = {}
+
+    def describe() -> tuple[Any, Any]:
+        if failed is not None:
+            raise failed
+        renamed = rename_for_save(flatten_state(state, layout=o.layout), o.keys)
+        flat = renamed.flat
+        state_keys.update(renamed.state_keys)
+        # Every rank encodes its values (in parallel, so no slower than one rank doing
+        # it) and learns from the plan which of them it sends: the lowest rank holding a
+        # key does.
+        values = {k: encode_value(v.value, k, o.allow_pickle) for k, v in flat.values.items()}
+        per_rank = {k: encode_value(v.value, k, o.allow_pickle) for k, v in flat.per_rank.items()}
+        if o.quantize:
+            encoded.update(encode_leaves(flat, o.quantize))
+        specs, packed = replica_specs(flat), local_plan(flat).packed()
+        extra = None
+        if comm.is_coordinator:
+            if o.lock:
+                held.append(storage.acquire_lock())
+            if read_commit(storage) is not None:
+                check_replaceable(storage, o.overwrite)
+            extra = (uuid.uuid4().hex[:12], save.config.replica_share_bytes)
+        ids = (packed.table_id, packed.kinds_id)
+        shared = (packed.signature(), cached_plan_key(), extra, ids, specs)
+        return (flat, packed, values, per_rank), shared
+
+    local: Any = None
+    mine: Any = None
+    failure: RankFailure | None = None
+    caught: BaseException | None = None
+    try:
+        try:
+            local, mine = describe()
+        except Exception as e:  # noqa: BLE001 - reported to every rank by agree
+            failure, caught = failure_of(comm.rank, e), e
+        save_id, global_plan, cached = agree(comm, local, mine, failure, caught)
+    except BaseException:
+        for undo in held:
+            undo()
+        raise
+    flat, _, values, per_rank = local
+    items = global_plan.writes(comm.rank)
+    views = views_of(flat, items)
+    sent = {k: values[k] for k in global_plan.values_of(comm.rank)}
+    return PlannedSave(
+        comm,
+        save_id,
+        global_plan,
+        items,
+        views,
+        sent,
+        per_rank,
+        cached,
+        held[0] if held else None,
+        encoded,
+        written_errors(items, encoded),
+        time.perf_counter() - t0,
+        state_keys,
+    )
 
 
 def check_replaceable(storage: Storage, overwrite: bool) -> None:

@@ -1,4 +1,4 @@
-"""The write phase of a save: this rank's data file and its index, both durable.
+"""The write phase of a save (:func:`write`): this rank's data file and its index, both durable.
 
 A full save writes every item where the plan laid it out (:mod:`unickpt.engine.data_file`:
 parts on parallel threads, or a compressed stream), from the item sources or from the bytes a
@@ -10,39 +10,50 @@ data file is completed.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 
-from ..config import Config
 from ..engine.checksum import digest
 from ..engine.commit import data_name, index_name
 from ..engine.data_file import WriteResult, write_file
 from ..engine.incremental import IncrementalSave
-from ..engine.sources import ItemSource, StagedParts
 from ..engine.timeline import Timeline
 from ..format.codec import encode_index
 from ..format.metadata import ChunkMeta, FileRef
 from ..format.references import FileLocation
 from ..planning.save_plan import WriteItem
-from ..storage.base import Storage
+from .commit import Written
+from .copy import Copy
 from .plan import PlannedSave
+from .save import Save
 
-log = logging.getLogger(__name__)
+
+def write(save: Save, planned: PlannedSave, copied: Copy) -> Written:
+    """Phase 4: this rank's files, or the error that stopped them (the commit reports it to
+    every rank)."""
+    timeline = Timeline()
+    timeline.add("plan", planned.plan_s)
+    t0 = time.perf_counter()
+    ref, error = None, None
+    try:
+        if copied.check is not None:
+            copied.check()
+        if planned.items:
+            ref = _write_files(save, planned, copied, timeline)
+        if copied.check is not None:
+            copied.check()
+    except Exception as e:  # noqa: BLE001 - reported to every rank
+        error = e
+    finally:
+        if copied.stager is not None:
+            copied.stager.stop()  # the snapshot is over, whatever happened
+    return Written(ref, error, time.perf_counter() - t0, timeline)
 
 
-def write_rank_files(
-    storage: Storage,
-    planned: PlannedSave,
-    sources: list[ItemSource],
-    config: Config,
-    incremental: IncrementalSave | None = None,
-    compress: bool = False,
-    progress: Callable[[int, int], None] | None = None,
-    stager: StagedParts | None = None,
-    timeline: Timeline | None = None,
-) -> FileRef:
-    """This rank's data file and its index; what the commit records of them. With ``stager``
+def _write_files(save: Save, planned: PlannedSave, copied: Copy, timeline: Timeline) -> FileRef:
+    """This rank's data file and its index; what the commit records of them. With a stager
     (a plain full save), the file's bytes come through its bounded ring."""
+    storage, config, incremental = save.storage, save.config, save.options.incremental
     items, save_id, rank = planned.items, planned.save_id, planned.comm.rank
     name = data_name(save_id, rank)
     written: list[FileRef] = []
@@ -62,25 +73,25 @@ def write_rank_files(
         storage.write_atomic(index, raw)
         written.append(FileRef(name, result.nbytes, index, len(raw), digest(memoryview(raw))))
 
-    flags = _compressed(compress, incremental, items)
+    def write_full_index(result: WriteResult) -> None:
+        chunks = [
+            [ChunkMeta(i.box.offsets, i.box.lengths, 0, at, i.nbytes, sums, packed)]
+            for i, sums, (at, packed) in zip(items, result.checksums, result.placements(items))
+        ]
+        write_index(result, chunks, [], result.raw_checksums)
+
+    o, sources, stager = save.options, copied.sources, copied.stager
+    flags = _compressed(o.compress, incremental, items)
     threads = config.io_threads
     changed = None if incremental is None else incremental.changes(items, sources, flags, threads)
     if changed is None:
-
-        def write_full_index(result: WriteResult) -> None:
-            chunks = [
-                [ChunkMeta(i.box.offsets, i.box.lengths, 0, at, i.nbytes, sums, packed)]
-                for i, sums, (at, packed) in zip(items, result.checksums, result.placements(items))
-            ]
-            write_index(result, chunks, [], result.raw_checksums)
-
         write_file(
             storage,
             name,
             items,
             sources,
             config,
-            progress,
+            o.progress,
             alongside=write_full_index,
             compress=flags,
             stager=stager,
@@ -95,7 +106,7 @@ def write_rank_files(
             changed.items,
             changed.sources,
             config,
-            progress,
+            o.progress,
             changed.checksums,
             alongside=lambda r: write_index(r, changed.placed(r), changed.refs, changed.content),
             compress=changed.compress,

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from .._version import __version__
-from ..config import Config
 from ..dist import RankFailure, failure_of, raise_failures
 from ..encoding.saving import merge_errors, with_encodings
 from ..engine.commit import commit as commit_files
@@ -63,8 +62,7 @@ def commit(save: Save, planned: PlannedSave, written: Written) -> SaveReport:
     """Phase 5: gather, commit on the coordinator, release the lock; raise everywhere on
     failure; then ``on_commit``."""
     t0 = time.perf_counter()
-    storage, config, o, timeline = save.storage, save.config, save.options, written.timeline
-    compress, incremental = o.compress, o.incremental
+    storage, incremental, timeline = save.storage, save.options.incremental, written.timeline
     comm = planned.comm
     failure = None if written.error is None else failure_of(comm.rank, written.error)
     caught: BaseException | None = written.error
@@ -90,7 +88,7 @@ def commit(save: Save, planned: PlannedSave, written: Written) -> SaveReport:
                 try:
                     errors = merge_errors([g[5] for g in gathered])
                     with timeline.timed("commit"):
-                        meta = _metadata(planned, gathered, config, errors, compress)
+                        meta = _metadata(save, planned, gathered, errors)
                         commit_files(storage, meta, planned.save_id)
                 except Exception as e:  # noqa: BLE001 - reported to every rank
                     outcome = [failure_of(comm.rank, e)]
@@ -111,8 +109,8 @@ def commit(save: Save, planned: PlannedSave, written: Written) -> SaveReport:
     report = SaveReport(
         total, written.seconds, commit_s, planned.plan_cached, errors, timeline.seconds()
     )
-    if o.on_commit is not None:
-        o.on_commit()
+    if save.options.on_commit is not None:
+        save.options.on_commit()
     return report
 
 
@@ -139,11 +137,7 @@ def _remove_own_files(storage: Storage, save_id: str, rank: int, coordinator: bo
 
 
 def _metadata(
-    planned: PlannedSave,
-    gathered: list[Any],
-    config: Config,
-    errors: dict[str, EncodingError],
-    compress: bool,
+    save: Save, planned: PlannedSave, gathered: list[Any], errors: dict[str, EncodingError]
 ) -> Metadata:
     plan = planned.plan
     refs = tuple(g[1] for g in gathered if g[1] is not None)
@@ -166,8 +160,8 @@ def _metadata(
         objects=values,
         per_rank=per_rank,
         aliases=dict(plan.aliases),
-        segment_bytes=config.segment_bytes,
-        version=FORMAT_VERSION if compress else PLAIN_FORMAT_VERSION,
+        segment_bytes=save.config.segment_bytes,
+        version=FORMAT_VERSION if save.options.compress else PLAIN_FORMAT_VERSION,
         created_unix_s=time.time(),
         producer={"unickpt": __version__, "torch": torch.__version__},
         pickled_keys=tuple(sorted(pickled)),

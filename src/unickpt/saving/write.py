@@ -80,10 +80,12 @@ def _write_files(save: Save, planned: PlannedSave, copied: Copy, timeline: Timel
         ]
         write_index(result, chunks, [], result.raw_checksums)
 
-    o, sources, stager = save.options, copied.sources, copied.stager
+    o = save.options
+    sources = copied.sources
     flags = _compressed(o.compress, incremental, items)
-    threads = config.io_threads
-    changed = None if incremental is None else incremental.changes(items, sources, flags, threads)
+    changed = None
+    if incremental is not None:
+        changed = incremental.changes(items, sources, flags, config.io_threads)
     if changed is None:
         write_file(
             storage,
@@ -94,11 +96,11 @@ def _write_files(save: Save, planned: PlannedSave, copied: Copy, timeline: Timel
             o.progress,
             alongside=write_full_index,
             compress=flags,
-            stager=stager,
+            stager=copied.stager,
             timeline=timeline,
         )
     else:
-        if stager is not None:
+        if copied.stager is not None:
             raise AssertionError("an incremental save is not staged through a bounded ring")
         write_file(
             storage,

@@ -40,6 +40,7 @@ def _trainer(
 ) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
+    from unickpt import wait_pending
     from unickpt.integrations.huggingface import UnickptTrainer
 
     class StopAt(TrainerCallback):  # an interruption: the job ends after this step's save
@@ -47,6 +48,9 @@ def _trainer(
             if stop_at is not None and state.global_step >= stop_at:
                 control.should_training_stop = True
             if fail_from is not None and state.global_step == fail_from:
+                # The limit holds for the whole process: the earlier step's save, which may
+                # still be writing in the background (on a loaded machine), ends first.
+                wait_pending()
                 _limit_file_size(FILE_LIMIT_BYTES)  # this step's save will fail to write
             return control
 

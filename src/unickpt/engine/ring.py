@@ -127,10 +127,6 @@ class Stager:
             self._thread.join()
         self._finish_copy()
 
-    def wait_copied(self) -> None:
-        """Wait until every part is copied or the copy has stopped."""
-        self._copied.wait()
-
     def _fail(self, error: BaseException) -> None:
         with self._cond:
             if self._error is None:

@@ -25,6 +25,7 @@ import logging
 import os
 from pathlib import Path
 
+from ..storage.local import fsync_dir
 from .common import INDEX_FILE, SINGLE_FILE
 
 log = logging.getLogger(__name__)
@@ -38,26 +39,26 @@ def replace_model(
     names), ``tag`` is unique to this save."""
     if list(temps) == [SINGLE_FILE]:
         os.replace(folder / temps[SINGLE_FILE], folder / SINGLE_FILE)
-        _sync(folder)
+        fsync_dir(folder)
         _remove_stale(folder, {SINGLE_FILE})
-        _sync(folder)
+        fsync_dir(folder)
         return
     placed = {}
     for name, temp in temps.items():
         placed[name] = name if not (folder / name).exists() else own_name(name, tag)
         os.replace(folder / temp, folder / placed[name])
-    _sync(folder)
+    fsync_dir(folder)
     _write_index(folder, weight_map, placed, total_bytes)
     (folder / SINGLE_FILE).unlink(missing_ok=True)
     _remove_stale(folder, {*placed.values(), INDEX_FILE})
-    _sync(folder)
+    fsync_dir(folder)
     moved = {name: own for name, own in placed.items() if own != name}
     if moved:
         _rename_in_place(folder, moved)
         _write_index(folder, weight_map, {name: name for name in temps}, total_bytes)
         for own in moved.values():
             (folder / own).unlink(missing_ok=True)
-        _sync(folder)
+        fsync_dir(folder)
 
 
 def own_name(name: str, tag: str) -> str:
@@ -79,7 +80,7 @@ def _write_index(
         f.flush()
         os.fsync(f.fileno())
     os.replace(index_temp, folder / INDEX_FILE)
-    _sync(folder)
+    fsync_dir(folder)
 
 
 def _rename_in_place(folder: Path, moved: dict[str, str]) -> None:
@@ -93,7 +94,7 @@ def _rename_in_place(folder: Path, moved: dict[str, str]) -> None:
         for name, own in moved.items():
             if (folder / own).exists():
                 os.replace(folder / own, folder / name)
-    _sync(folder)
+    fsync_dir(folder)
 
 
 def _remove_stale(folder: Path, keep: set[str]) -> None:
@@ -104,11 +105,3 @@ def _remove_stale(folder: Path, keep: set[str]) -> None:
     for path in stale:
         if path.name not in keep:
             path.unlink(missing_ok=True)
-
-
-def _sync(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

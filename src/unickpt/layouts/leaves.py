@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -287,13 +287,5 @@ LAYOUT_LEAVES = (Fused, Padded, Replicated)
 """The leaves that describe how one tensor is laid out beyond its sharding."""
 
 
-def is_flat_source(value: Any) -> bool:
-    return isinstance(value, FlatShard)
-
-
 def tensor_shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(s) for s in t.shape)
-
-
-def check_same_ndim(shape: Sequence[int], other: Sequence[int]) -> bool:
-    return len(shape) == len(other)

@@ -38,15 +38,25 @@ _fs_types: dict[int, str] = {}  # device number -> file system type, read once p
 
 
 def _os_error(e: OSError, what: str) -> CheckpointError:
+    return os_error(
+        e,
+        what,
+        full="the disk is full: free space or save elsewhere; an earlier committed checkpoint, "
+        "if any, is untouched.",
+        unwritable="the folder is not writable: fix its permissions or save elsewhere.",
+        other="check the path and the file system.",
+    )
+
+
+def os_error(e: OSError, what: str, *, full: str, unwritable: str, other: str) -> CheckpointError:
+    """An OSError as a CheckpointError saying what failed and what to do: ``full`` for a
+    full device, ``unwritable`` for a folder that cannot be written, ``other`` otherwise."""
     if e.errno == errno.ENOSPC:
-        hint = (
-            "the disk is full: free space or save elsewhere; an earlier committed checkpoint, "
-            "if any, is untouched."
-        )
+        hint = full
     elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        hint = "the folder is not writable: fix its permissions or save elsewhere."
+        hint = unwritable
     else:
-        hint = "check the path and the file system."
+        hint = other
     where = f" ({e.filename})" if e.filename else ""
     return CheckpointError(f"{what} failed: {e.strerror or e}{where}; {hint}")
 

@@ -20,7 +20,6 @@ the data is complete, by a local save and by a received replica alike.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import os
 import re
@@ -34,7 +33,7 @@ from ..format.metadata import COMMIT_FILE
 from ..root.identity import RootIdentity
 from ..root.names import step_name
 from ..storage.base import WriteHandle
-from ..storage.local import LocalStorage, LocalWriteHandle
+from ..storage.local import LocalStorage, LocalWriteHandle, os_error
 
 DEFAULT_DIR = "/dev/shm/unickpt"
 SPARE = ".spare"
@@ -272,17 +271,15 @@ def folder_errors(what: str) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        if e.errno == errno.ENOSPC:
-            hint = (
-                "the node's memory folder is full: free memory there, keep fewer replicas, or "
-                "set MemoryTier(dir=...) to a larger tmpfs"
-            )
-        elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            hint = "the folder is not writable: fix its permissions or set MemoryTier(dir=...)"
-        else:
-            hint = "check the node's memory folder (was it changed from outside the job?)"
-        where = f" ({e.filename})" if e.filename else ""
-        raise CheckpointError(f"{what} failed: {e.strerror or e}{where}; {hint}.") from e
+        raise os_error(
+            e,
+            what,
+            full="the node's memory folder is full: free memory there, keep fewer replicas, or "
+            "set MemoryTier(dir=...) to a larger tmpfs.",
+            unwritable="the folder is not writable: fix its permissions or set "
+            "MemoryTier(dir=...).",
+            other="check the node's memory folder (was it changed from outside the job?).",
+        ) from e
 
 
 def _listdir(path: Path) -> list[str]:

@@ -19,29 +19,19 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from ..format.codec import decode_metadata
 from ..format.metadata import COMMIT_FILE
 from ..format.references import FileLocation, parse_reference
-from ..storage.base import HeldLock, Storage, WriteHandle, check_name
+from ..storage.base import Storage, StorageView, WriteHandle, check_name
 from .commit import read_commit
 
 _STEP_FOLDER = re.compile(r"^step-\d+$")
 
 
-class ReferencingStorage(Storage):
+class ReferencingStorage(StorageView):
     """A checkpoint's storage that also reads the files its references name."""
 
     def __init__(self, inner: Storage) -> None:
-        self.inner = inner
-        self.min_part_bytes = inner.min_part_bytes
-        self.max_parts = inner.max_parts
-        self.maps_files = inner.maps_files
-        self.max_part_bytes = inner.max_part_bytes
-        self.cheap_reads = inner.cheap_reads
-        self.in_memory = inner.in_memory
+        super().__init__(inner)
         self._steps: dict[str, Storage] = {}
         self._lock = threading.Lock()
-
-    @property
-    def location(self) -> str:
-        return self.inner.location
 
     def _route(self, name: str) -> tuple[Storage, str]:
         where = parse_reference(name)
@@ -71,15 +61,6 @@ class ReferencingStorage(Storage):
         with self._lock:
             return self._steps.setdefault(where.step, step)
 
-    def child(self, name: str) -> Storage:
-        return self.inner.child(name)
-
-    def parent(self) -> Storage | None:
-        return self.inner.parent()
-
-    def list_names(self) -> list[str]:
-        return self.inner.list_names()
-
     def size(self, name: str) -> int | None:
         storage, local = self._route(name)
         return storage.size(local)
@@ -107,18 +88,6 @@ class ReferencingStorage(Storage):
 
     def remove_many(self, names: Sequence[str]) -> None:
         self.inner.remove_many([check_name(n) for n in names])
-
-    def remove_tree(self, name: str) -> None:
-        self.inner.remove_tree(name)
-
-    def acquire_lock(self) -> HeldLock:
-        return self.inner.acquire_lock()
-
-    def remove_temporary_files(self) -> None:
-        self.inner.remove_temporary_files()
-
-    def is_file(self) -> bool:
-        return self.inner.is_file()
 
     def close(self) -> None:
         with self._lock:

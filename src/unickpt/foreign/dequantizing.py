@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,7 @@ from ..format.metadata import ChunkMeta, Metadata, TensorMeta
 from ..planning.flatten import flatten_state
 from ..planning.load_keys import KeyMap
 from ..planning.save_keys import StateKeys, rename_to_saved
-from ..storage.base import HeldLock, Storage, WriteHandle
+from ..storage.base import Storage, StorageView
 from .common import foreign_format
 from .fp8_blocks import (
     DEQUANTIZED_DTYPES,
@@ -64,7 +64,7 @@ class _Placed:
     weight: BlockScaled
 
 
-class DequantizingStorage(Storage):
+class DequantizingStorage(StorageView):
     """The storage of a load (``inner``) that also serves the dequantized weights' files.
 
     ``dequantize`` is the load's option: False (refuse a float8 weight with scales loaded into
@@ -81,13 +81,7 @@ class DequantizingStorage(Storage):
         keys: KeyMap | StateKeys | None,
         strict: bool,
     ) -> None:
-        self.inner = inner
-        self.min_part_bytes = inner.min_part_bytes
-        self.max_parts = inner.max_parts
-        self.maps_files = inner.maps_files
-        self.max_part_bytes = inner.max_part_bytes
-        self.cheap_reads = inner.cheap_reads
-        self.in_memory = inner.in_memory
+        super().__init__(inner)
         self._block = check_option(dequantize)
         self._asked = dequantize is not False
         self._state, self._keys, self._strict = state, keys, strict
@@ -186,10 +180,6 @@ class DequantizingStorage(Storage):
             "weight; this is a bug in unickpt."
         )
 
-    @property
-    def location(self) -> str:
-        return self.inner.location
-
     def size(self, name: str) -> int | None:
         placed = self._twins.get(name)
         if placed is None:
@@ -207,45 +197,6 @@ class DequantizingStorage(Storage):
         if name in self._twins:
             return None
         return self.inner.map_range(name, offset, length)
-
-    def read_bytes(self, name: str) -> bytes | None:
-        return self.inner.read_bytes(name)
-
-    def child(self, name: str) -> Storage:
-        return self.inner.child(name)
-
-    def parent(self) -> Storage | None:
-        return self.inner.parent()
-
-    def list_names(self) -> list[str]:
-        return self.inner.list_names()
-
-    def write_atomic(self, name: str, data: bytes) -> None:
-        self.inner.write_atomic(name, data)
-
-    def create(self, name: str, part_sizes: Sequence[int]) -> WriteHandle:
-        return self.inner.create(name, part_sizes)
-
-    def remove(self, name: str) -> None:
-        self.inner.remove(name)
-
-    def remove_many(self, names: Sequence[str]) -> None:
-        self.inner.remove_many(names)
-
-    def remove_tree(self, name: str) -> None:
-        self.inner.remove_tree(name)
-
-    def acquire_lock(self) -> HeldLock:
-        return self.inner.acquire_lock()
-
-    def remove_temporary_files(self) -> None:
-        self.inner.remove_temporary_files()
-
-    def is_file(self) -> bool:
-        return self.inner.is_file()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def _common_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:

@@ -410,3 +410,71 @@ class Storage(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release cached handles; the storage stays usable."""
+
+
+class StorageView(Storage):
+    """A storage that stands for ``inner``: every call goes to ``inner`` unless a subclass
+    changes it (a load's view that adds files or routes names elsewhere). Its streams go
+    through its own :meth:`create` (:class:`BufferedStream`), so a subclass's ``create`` holds
+    for them too."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.min_part_bytes = inner.min_part_bytes
+        self.max_parts = inner.max_parts
+        self.maps_files = inner.maps_files
+        self.max_part_bytes = inner.max_part_bytes
+        self.cheap_reads = inner.cheap_reads
+        self.in_memory = inner.in_memory
+
+    @property
+    def location(self) -> str:
+        return self.inner.location
+
+    def child(self, name: str) -> Storage:
+        return self.inner.child(name)
+
+    def parent(self) -> Storage | None:
+        return self.inner.parent()
+
+    def list_names(self) -> list[str]:
+        return self.inner.list_names()
+
+    def size(self, name: str) -> int | None:
+        return self.inner.size(name)
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        self.inner.read_into(name, offset, out)
+
+    def map_range(self, name: str, offset: int, length: int) -> memoryview | None:
+        return self.inner.map_range(name, offset, length)
+
+    def read_bytes(self, name: str) -> bytes | None:
+        return self.inner.read_bytes(name)
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        self.inner.write_atomic(name, data)
+
+    def create(self, name: str, part_sizes: Sequence[int]) -> WriteHandle:
+        return self.inner.create(name, part_sizes)
+
+    def remove(self, name: str) -> None:
+        self.inner.remove(name)
+
+    def remove_many(self, names: Sequence[str]) -> None:
+        self.inner.remove_many(names)
+
+    def remove_tree(self, name: str) -> None:
+        self.inner.remove_tree(name)
+
+    def acquire_lock(self) -> HeldLock:
+        return self.inner.acquire_lock()
+
+    def remove_temporary_files(self) -> None:
+        self.inner.remove_temporary_files()
+
+    def is_file(self) -> bool:
+        return self.inner.is_file()
+
+    def close(self) -> None:
+        self.inner.close()

@@ -43,7 +43,7 @@ from ..errors import CheckpointCorruptError
 from ..format.dtypes import byte_view
 from ..format.metadata import COMMIT_FILE
 from ..planning.load_plan import ReadItem
-from ..storage.base import Storage, WriteHandle
+from ..storage.base import Storage, StorageView
 from .direct import Targets
 from .group import Arrivals, Pass, TierGroup, Transfer
 from .memory import Holding, MemoryStore, folder_errors, index_of
@@ -364,7 +364,7 @@ def _make_room(store: MemoryStore, transfers: list[Transfer]) -> None:
         store.take_spare(t.path, t.nbytes)
 
 
-class WithIndexes(Storage):
+class WithIndexes(StorageView):
     """A node's step folder (at ``path``) with the index files (and commit) it lacks that this
     rank reads served from memory; reads of a file still arriving wait for their bytes
     (``arrivals``), and those of a file received into the state (``targets``) are served from
@@ -378,23 +378,14 @@ class WithIndexes(Storage):
         arrivals: Arrivals | None = None,
         targets: Targets | None = None,
     ) -> None:
-        self.base = base
+        super().__init__(base)
         self.extra = extra
         self.path = path
         self.arrivals = arrivals
         self.targets = targets
-        self.maps_files = base.maps_files
-        self.cheap_reads = base.cheap_reads
         # Files still arriving are read segment by segment, each as soon as it is there: a map
         # of a file's whole span would wait for all of it.
         self.in_memory = base.in_memory and arrivals is None
-
-    @property
-    def location(self) -> str:
-        return self.base.location
-
-    def child(self, name: str) -> Storage:
-        return self.base.child(name)
 
     @property
     def _arriving(self) -> dict[Path, int]:
@@ -406,27 +397,27 @@ class WithIndexes(Storage):
 
     def list_names(self) -> list[str]:
         arriving = {p.name for p in self._arriving}
-        return sorted(set(self.base.list_names()) | set(self.extra) | arriving)
+        return sorted(set(self.inner.list_names()) | set(self.extra) | arriving)
 
     def size(self, name: str) -> int | None:
         raw = self.extra.get(name)
         if raw is not None:
             return len(raw)
         arriving = self._arriving.get(self.path / name)
-        return arriving if arriving is not None else self.base.size(name)
+        return arriving if arriving is not None else self.inner.size(name)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         self._wait(name, offset + out.nbytes)
         if self.targets is not None and self.path / name in self.targets:
             self.targets.serve(self.path / name, offset, out)
         else:
-            self.base.read_into(name, offset, out)
+            self.inner.read_into(name, offset, out)
 
     def map_range(self, name: str, offset: int, length: int) -> memoryview | None:
         if self.targets is not None and self.path / name in self.targets:
             return None  # no file: its bytes go straight into the state
         self._wait(name, offset + length)
-        return self.base.map_range(name, offset, length)
+        return self.inner.map_range(name, offset, length)
 
     def read_bytes(self, name: str) -> bytes | None:
         raw = self.extra.get(name)
@@ -434,22 +425,4 @@ class WithIndexes(Storage):
             return raw
         size = self.size(name)
         self._wait(name, size or 0)
-        return self.base.read_bytes(name)
-
-    def write_atomic(self, name: str, data: bytes) -> None:
-        self.base.write_atomic(name, data)
-
-    def create(self, name: str, part_sizes: Sequence[int]) -> WriteHandle:
-        return self.base.create(name, part_sizes)
-
-    def remove(self, name: str) -> None:
-        self.base.remove(name)
-
-    def remove_many(self, names: Sequence[str]) -> None:
-        self.base.remove_many(names)
-
-    def remove_tree(self, name: str) -> None:
-        self.base.remove_tree(name)
-
-    def close(self) -> None:
-        self.base.close()
+        return self.inner.read_bytes(name)

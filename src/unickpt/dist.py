@@ -257,21 +257,18 @@ class Comm:
 
     def max_across(self, values: np.ndarray) -> np.ndarray:
         """The element-wise maximum of ``values`` (same shape on every rank) over all ranks."""
-        if self._pg is None or values.size == 0:
-            return values
-        t = torch.from_numpy(np.ascontiguousarray(values))
-        with self._peers_lost("all_reduce"):
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg)
-        _count(t.nbytes, t.nbytes)
-        return t.numpy()
+        return self._reduce(values, dist.ReduceOp.MAX)
 
     def sum_across(self, values: np.ndarray) -> np.ndarray:
         """The element-wise sum of ``values`` (same shape on every rank) over all ranks."""
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def _reduce(self, values: np.ndarray, op: Any) -> np.ndarray:
         if self._pg is None or values.size == 0:
             return values
         t = torch.from_numpy(np.ascontiguousarray(values))
         with self._peers_lost("all_reduce"):
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._pg)
+            dist.all_reduce(t, op=op, group=self._pg)
         _count(t.nbytes, t.nbytes)
         return t.numpy()
 

@@ -32,6 +32,7 @@ from unickpt.bench.dlrm import DlrmConfig, render, run_dlrm
 from unickpt.bench.report import replace_results
 from unickpt.bench.results import STATUS_SKIPPED
 from unickpt.bench.systems.registry import SYSTEM_INFOS
+from unickpt.cli.commands import add_command
 from unickpt.errors import CheckpointError
 
 _DEFAULT_PEERS_PYTHON = Path(".venv-peers/bin/python")
@@ -81,13 +82,7 @@ def _systems_epilog() -> str:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds the ``bench`` command."""
-    parser = subparsers.add_parser(
-        "bench",
-        help="benchmark checkpoint save/load against DCP, torch.save and other systems",
-        description=_DESCRIPTION,
-        epilog=_systems_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(subparsers, "bench", _DESCRIPTION, epilog=_systems_epilog())
     parser.add_argument(
         "--params", default="100M", help="model size, e.g. 10M, 100M, 1B (default 100M)"
     )

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from .commands import add_command, add_progress_option
 from .errors import print_error
 from .steps import add_step_option, open_source
 
@@ -58,12 +59,7 @@ examples:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds the ``convert`` command."""
-    parser = subparsers.add_parser(
-        "convert",
-        help="export to safetensors, torch or dcp, or import from them",
-        description=_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(subparsers, "convert", _DESCRIPTION)
     parser.add_argument(
         "src",
         metavar="SRC",
@@ -108,11 +104,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="exports: do not check the source's checksums while reading it",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
-    parser.add_argument(
-        "--progress",
-        action="store_true",
-        help="draw a progress bar on stderr even when it is not a terminal",
-    )
+    add_progress_option(parser)
     parser.set_defaults(func=run)
 
 

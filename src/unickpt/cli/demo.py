@@ -25,6 +25,7 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+from unickpt.cli.commands import add_command
 from unickpt.demo import DemoConfig, DemoError, DemoResult, run_demo
 from unickpt.demo.events import (
     Event,
@@ -54,12 +55,7 @@ holds checkpoints."""
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds the ``demo`` command."""
-    parser = subparsers.add_parser(
-        "demo",
-        help="train a small GPT, kill a worker, resume on another world size, compare",
-        description=_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(subparsers, "demo", _DESCRIPTION)
     add_arguments(parser)
     parser.set_defaults(func=run)
 

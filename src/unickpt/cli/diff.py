@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from .commands import add_command, add_progress_option
 from .errors import print_error
 from .steps import PATH_HELP, add_step_option, open_source
 
@@ -31,12 +32,7 @@ exit status: 0 identical, 1 different, 2 error"""
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds the ``diff`` command."""
-    parser = subparsers.add_parser(
-        "diff",
-        help="compare two checkpoints",
-        description=_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(subparsers, "diff", _DESCRIPTION)
     parser.add_argument("a", metavar="A", help="first checkpoint: " + PATH_HELP)
     parser.add_argument(
         "b", metavar="B", nargs="?", help="second checkpoint, the same way (or --steps)"
@@ -64,11 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="do not check the checksums of the data read (compare damaged checkpoints)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument(
-        "--progress",
-        action="store_true",
-        help="draw a progress bar on stderr even when it is not a terminal",
-    )
+    add_progress_option(parser)
     parser.set_defaults(func=run)
 
 

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
+from .commands import add_command
 from .errors import print_error
 from .steps import PATH_HELP, add_step_option, open_source
 
@@ -37,12 +38,7 @@ examples:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds the ``inspect`` command."""
-    parser = subparsers.add_parser(
-        "inspect",
-        help="list the tensors and values of a checkpoint",
-        description=_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(subparsers, "inspect", _DESCRIPTION)
     parser.add_argument("path", metavar="PATH", help=PATH_HELP)
     add_step_option(parser)
     parser.add_argument(

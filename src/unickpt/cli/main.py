@@ -14,18 +14,7 @@ import os
 import sys
 
 from .._version import __version__
-
-# Each command and its one-line summary (the help of its module's register(), shown by
-# ``unickpt --help`` without importing the module).
-COMMANDS = {
-    "demo": "train a small GPT, kill a worker, resume on another world size, compare",
-    "inspect": "list the tensors and values of a checkpoint",
-    "verify": "check a checkpoint's files and checksums",
-    "diff": "compare two checkpoints",
-    "convert": "export to safetensors, torch or dcp, or import from them",
-    "bench": "benchmark checkpoint save/load against DCP, torch.save and other systems",
-    "run": "launch a training script, with spares that replace failed ranks in place",
-}
+from .commands import COMMANDS
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 
+from .commands import add_command
 from .errors import print_error
 
 _DESCRIPTION = """\
@@ -24,12 +25,7 @@ exit status: 0 when every rank's train returned, 1 when the job failed"""
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds the ``run`` command."""
-    parser = subparsers.add_parser(
-        "run",
-        help="launch a training script, with spares that replace failed ranks in place",
-        description=_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(subparsers, "run", _DESCRIPTION)
     add = parser.add_argument
     add("--nnodes", type=int, default=1, metavar="N", help="nodes of the job (default 1)")
     add("--node-rank", type=int, default=0, metavar="I", help="this node's index (default 0)")

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from .commands import add_command, add_progress_option
 from .errors import print_error
 from .steps import PATH_HELP, add_step_option, open_source
 
@@ -29,12 +30,7 @@ _KEYS_SHOWN = 3
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds the ``verify`` command."""
-    parser = subparsers.add_parser(
-        "verify",
-        help="check a checkpoint's files and checksums",
-        description=_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(subparsers, "verify", _DESCRIPTION)
     parser.add_argument("path", metavar="PATH", help=PATH_HELP)
     add_step_option(parser)
     parser.add_argument(
@@ -45,11 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="parallel reads (default: the io_threads setting, 4)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument(
-        "--progress",
-        action="store_true",
-        help="draw a progress bar on stderr even when it is not a terminal",
-    )
+    add_progress_option(parser)
     parser.set_defaults(func=run)
 
 

@@ -7,7 +7,7 @@ a later one of the same plan. Reports the time of each step, what a rank exchang
 metadata size; the restore side is :mod:`unickpt.bench.restore_plan` (it reads files, which
 planning does not).
 
->>> simulate_fsdp_tp(ranks=64, tensors=20)["chunks"]
+>>> simulate_save(ranks=64, tensors=20).report["chunks"]
 1280
 """
 
@@ -66,11 +66,6 @@ class SimulatedSave:
     plan: GlobalPlan
     meta: Metadata
     indexes: dict[int, bytes]
-
-
-def simulate_fsdp_tp(ranks: int = 4096, tensors: int = 2000, tp: int = 8) -> dict[str, Any]:
-    """The figures of :func:`simulate_save`."""
-    return simulate_save(ranks, tensors, tp).report
 
 
 def simulate_save(

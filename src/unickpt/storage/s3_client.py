@@ -14,6 +14,7 @@ resumes a ranged GET whose body was cut off mid-stream from the first byte it di
 
 from __future__ import annotations
 
+import bisect
 import io
 import logging
 import os
@@ -338,12 +339,6 @@ class BufferStream(io.RawIOBase):
 
 
 def _find(starts: list[int], pos: int) -> int:
-    """The index of the buffer that holds byte ``pos`` (``starts`` ascending)."""
-    lo, hi = 0, len(starts) - 2
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if starts[mid] <= pos:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """The index of the buffer that holds byte ``pos`` (``starts`` ascending, ``pos`` below
+    the last)."""
+    return bisect.bisect_right(starts, pos) - 1

@@ -47,31 +47,23 @@ def export_checkpoint(
     (see :data:`FORMATS`). A failed export leaves nothing at ``dst``."""
     if fmt not in FORMATS:
         raise _unknown(fmt)
+    o = options
     with nothing_left_on_failure(dst):
-        return _export(src, dst, fmt, options)
-
-
-def _export(
-    src: str | os.PathLike[str] | Storage,
-    dst: str | os.PathLike[str],
-    fmt: str,
-    o: ConvertOptions,
-) -> ConvertReport:
-    if fmt == "safetensors":
-        return export_safetensors(
-            src,
-            dst,
-            only=o.only,
-            max_shard_bytes=o.max_shard_bytes,
-            overwrite=o.overwrite,
-            verify=o.verify,
-            untie=o.untie,
-            progress=o.progress,
+        if fmt == "safetensors":
+            return export_safetensors(
+                src,
+                dst,
+                only=o.only,
+                max_shard_bytes=o.max_shard_bytes,
+                overwrite=o.overwrite,
+                verify=o.verify,
+                untie=o.untie,
+                progress=o.progress,
+            )
+        exporter = export_torch if fmt == "torch" else export_dcp
+        return exporter(
+            src, dst, only=o.only, overwrite=o.overwrite, verify=o.verify, progress=o.progress
         )
-    exporter = export_torch if fmt == "torch" else export_dcp
-    return exporter(
-        src, dst, only=o.only, overwrite=o.overwrite, verify=o.verify, progress=o.progress
-    )
 
 
 def import_checkpoint(
@@ -81,31 +73,26 @@ def import_checkpoint(
     URL). A failed import leaves nothing at ``dst``."""
     if fmt not in IMPORT_FORMATS:
         raise _unknown(fmt, IMPORT_FORMATS)
-    with nothing_left_on_failure(dst):
-        return _import(src, dst, fmt, options)
-
-
-def _import(
-    src: str | os.PathLike[str], dst: str | os.PathLike[str], fmt: str, o: ConvertOptions
-) -> ConvertReport:
-    if fmt == "safetensors":
-        return import_safetensors(
-            src, dst, prefix=o.prefix, overwrite=o.overwrite, progress=o.progress
-        )
+    o = options
     importers = {
         "torch": import_torch,
         "dcp": import_dcp,
         "megatron": import_megatron,
         "deepspeed": import_deepspeed,
     }
-    return importers[fmt](
-        src,
-        dst,
-        prefix=o.prefix,
-        allow_pickle=o.allow_pickle,
-        overwrite=o.overwrite,
-        progress=o.progress,
-    )
+    with nothing_left_on_failure(dst):
+        if fmt == "safetensors":
+            return import_safetensors(
+                src, dst, prefix=o.prefix, overwrite=o.overwrite, progress=o.progress
+            )
+        return importers[fmt](
+            src,
+            dst,
+            prefix=o.prefix,
+            allow_pickle=o.allow_pickle,
+            overwrite=o.overwrite,
+            progress=o.progress,
+        )
 
 
 def _unknown(fmt: str, known: tuple[str, ...] = FORMATS) -> CheckpointError:

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 from unickpt.bench.model import TrainState
 from unickpt.bench.systems.base import CheckpointSystem, SaveHandle
 from unickpt.bench.systems.registry import SystemInfo
+from unickpt.storage.local import fsync_dir
 
 
 def sharded_state_dict(state: TrainState) -> dict[str, Any]:
@@ -244,8 +245,4 @@ def _save_durably(obj: object, file: Path) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     tmp.rename(file)
-    dir_fd = os.open(file.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(file.parent)

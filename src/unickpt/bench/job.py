@@ -18,7 +18,6 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 import traceback
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from unickpt.bench.model import (
     config_for_params,
     local_state_bytes,
 )
+from unickpt.bench.ranks import free_port
 from unickpt.bench.results import STATUS_ERROR, STATUS_NOT_INSTALLED, RankMeasurement, combine
 from unickpt.bench.runner import IterationBaseline, describe, measure_baseline, measure_system
 from unickpt.bench.systems import CheckpointSystem, create_system
@@ -56,13 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=DEVICES, default="cpu")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class _Results:
@@ -196,9 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     _import_for_ranks()
     # fork: the ranks start from this process, which imported torch but ran nothing (no
     # threads, no CUDA context), instead of importing everything again each.
-    mp.start_processes(
-        _rank_main, args=(args, _free_port()), nprocs=args.world, start_method="fork"
-    )
+    mp.start_processes(_rank_main, args=(args, free_port()), nprocs=args.world, start_method="fork")
     return 0
 
 

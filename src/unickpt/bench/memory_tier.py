@@ -43,7 +43,6 @@ import json
 import mmap
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -74,12 +73,6 @@ def _state(mib: int, value: float, rank: int, world: int) -> dict[str, Any]:
         f"t{i}": unickpt.ShardedTensor(torch.full((1, cols), value + i), (world, cols), (rank, 0))
         for i in range(n)
     }
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _init(rank: int, world: int, port: int) -> None:
@@ -219,7 +212,7 @@ def _spawn(world: int, fn: Any, a: dict[str, Any], pin: bool = False) -> list[di
     ``pin``, rank r's process on CPU ``r`` alone (as if each rank were a host of its own)."""
     ctx = ranks.context()
     q = ctx.Queue()
-    port = _port()
+    port = ranks.free_port()
     cpus = sorted(os.sched_getaffinity(0))
     procs = [
         ranks.start(ctx, fn, r, world, port, a, q, cpus={cpus[r % len(cpus)]} if pin else None)
@@ -313,7 +306,7 @@ def _dlrover_env(job: str, **extra: str) -> dict[str, str]:
 def _dlrover_in_process(python: str, mib: int, saves: int, work: Path, restores: int) -> Any:
     job = f"unickpt-bench-{os.getpid()}"
     try:
-        args = (mib, saves, _port(), work / "dlrover", restores)
+        args = (mib, saves, ranks.free_port(), work / "dlrover", restores)
         return _dlrover_run(python, "standalone", _dlrover_env(job), *args)
     finally:
         _dlrover_cleanup(job)
@@ -335,9 +328,9 @@ def _dlrover_restarted(python: str, mib: int, saves: int, work: Path, restores: 
             time.sleep(0.1)
         env = _dlrover_env(job, ROLE_NAME="dlrover-trainer")  # the agent saves, not the trainer
         folder = work / "dlrover-agent"
-        saved = _dlrover_run(python, "save", env, mib, saves, _port(), folder, 0)
+        saved = _dlrover_run(python, "save", env, mib, saves, ranks.free_port(), folder, 0)
         loads = [
-            _dlrover_run(python, "load", env, mib, saves, _port(), folder, 1)
+            _dlrover_run(python, "load", env, mib, saves, ranks.free_port(), folder, 1)
             for _ in range(restores)
         ]
         if saved is None or any(x is None for x in loads):

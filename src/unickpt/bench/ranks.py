@@ -16,6 +16,7 @@ import multiprocessing
 import multiprocessing.context
 import multiprocessing.process
 import os
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -72,6 +73,13 @@ def _entry(
         target(*args)
     finally:
         exit_hooks()
+
+
+def free_port() -> int:
+    """A loopback port free now, for the ranks' rendezvous (or a server of the benchmark)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def take_environment(environ: dict[str, str]) -> None:

@@ -40,6 +40,7 @@ import unickpt
 from ..config import Config, get_config
 from ..storage.s3 import S3Storage, parse_s3_url
 from . import s3_dcp
+from .ranks import free_port
 from .s3_reshard import ReshardBytes, measure_reshard
 
 MiB = 1 << 20
@@ -104,9 +105,7 @@ class S3Report:
 def moto_endpoint() -> Iterator[str]:
     """A moto server in its own process on a free loopback port, test credentials set in the
     environment unless some are (moto accepts any)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,

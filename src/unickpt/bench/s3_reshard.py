@@ -9,7 +9,6 @@ bytes of its blocks; every block is checked against the saved values.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -45,10 +44,7 @@ def measure_reshard(
     blocks; their byte counts."""
     ctx = ranks.context()
     queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    args = (world, port, url, tensors, config, queue)
+    args = (world, ranks.free_port(), url, tensors, config, queue)
     procs = [ranks.start(ctx, _rank, r, *args) for r in range(world)]
     try:
         results = [queue.get(timeout=timeout_s) for _ in procs]

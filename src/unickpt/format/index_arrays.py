@@ -180,7 +180,7 @@ def concat_indexes(parts: Sequence[IndexChunks]) -> IndexChunks:
         list(keys),
         np.concatenate(key_ids),
         np.concatenate([p.ndims for p in parts]),
-        np.concatenate([_widen(p.coords, dims) for p in parts]),
+        np.concatenate([widen(p.coords, dims) for p in parts]),
         np.concatenate([p.byte_offsets for p in parts]),
         np.concatenate([p.nbytes for p in parts]),
         np.concatenate([p.files for p in parts]),
@@ -195,11 +195,13 @@ def concat_indexes(parts: Sequence[IndexChunks]) -> IndexChunks:
     )
 
 
-def _widen(coords: np.ndarray, dims: int) -> np.ndarray:
+def widen(coords: np.ndarray, dims: int) -> np.ndarray:
+    """``coords`` (offsets, then lengths) of fewer dimensions padded to ``dims`` (offset 0,
+    length 1)."""
     have = coords.shape[1] // 2
     if have == dims:
         return coords
-    out = np.zeros((len(coords), 2 * dims), dtype=np.int64)
+    out = np.zeros((len(coords), 2 * dims), dtype=coords.dtype)
     out[:, dims:] = 1
     out[:, :have] = coords[:, :have]
     out[:, dims : dims + have] = coords[:, have:]

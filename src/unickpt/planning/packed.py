@@ -173,18 +173,6 @@ def encode_rest(
     return json.dumps(rest).encode()
 
 
-def widen(coords: np.ndarray, dims: int) -> np.ndarray:
-    """``coords`` of fewer dimensions padded to ``dims`` (offset 0, length 1)."""
-    have = coords.shape[1] // 2
-    if have == dims:
-        return coords
-    out = np.zeros((len(coords), 2 * dims), dtype=coords.dtype)
-    out[:, dims:] = 1
-    out[:, :have] = coords[:, :have]
-    out[:, dims : dims + have] = coords[:, have:]
-    return out
-
-
 def box_of(row: np.ndarray, ndim: int) -> Box:
     """The box of one coordinate row, for a tensor of ``ndim`` dimensions."""
     dims = len(row) // 2

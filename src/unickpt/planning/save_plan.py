@@ -25,9 +25,10 @@ import numpy as np
 from ..errors import CheckpointMismatchError
 from ..format.chunk_map import ChunkLayout, ChunkMap
 from ..format.dtypes import dtype_from_name, itemsize
+from ..format.index_arrays import widen
 from ..layouts.boxes import Box
 from ..layouts.coverage import TilingFault
-from .packed import PackedPlan, box_of, pack, widen
+from .packed import PackedPlan, box_of, pack
 from .patterns import group_rows, pattern_of
 from .writers import HeldBoxes, WriteLayout, assign_writers
 

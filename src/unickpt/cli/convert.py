@@ -174,8 +174,8 @@ def render(r: ConvertReport, exported: bool) -> str:
     )
     if r.left_out:
         line += f"; left out {len(r.left_out)} (listed in the warning above)"
-    return "\n".join([line, *(_tied(name, kept) for name, kept in r.tied)])
-
-
-def _tied(name: str, kept: str) -> str:
-    return f"left out tied {name} (same storage as {kept}); pass --untie to write every key"
+    tied = [
+        f"left out tied {name} (same storage as {kept}); pass --untie to write every key"
+        for name, kept in r.tied
+    ]
+    return "\n".join([line, *tied])

@@ -120,8 +120,9 @@ class ReshardableLoader:
         source = self._rest if self._rest is not None else self.loader
         if not self._continues:
             self._yielded = 0
-            self._base = _consumed_at_start(source.sampler)
-            self._epoch = _epoch_of(source.sampler)
+            sampler = source.sampler
+            self._base = sampler.consumed if isinstance(sampler, ReshardableSampler) else 0
+            self._epoch = int(sampler.epoch) if _epoch_order(sampler) is not None else None
         self._continues = False
         for batch in source:
             self._yielded += 1
@@ -351,14 +352,6 @@ def _epoch_order(sampler: Any) -> EpochOrder | None:
         n = len(sampler.dataset)  # type: ignore[arg-type]
         return EpochOrder(n, sampler.shuffle, sampler.seed, sampler.drop_last)
     return None
-
-
-def _epoch_of(sampler: Any) -> int | None:
-    return int(sampler.epoch) if _epoch_order(sampler) is not None else None
-
-
-def _consumed_at_start(sampler: Any) -> int:
-    return sampler.consumed if isinstance(sampler, ReshardableSampler) else 0
 
 
 def _set_epoch(sampler: Any, epoch: int, consumed: int) -> None:

@@ -125,18 +125,14 @@ def _relay(
         try:
             event: Event = events.get(timeout=_POLL_S)
         except queue.Empty:
-            if killed is None and _any_failed(processes):
+            if killed is None and any(p.exitcode not in (None, 0) for p in processes):
                 return None
             if not any(p.is_alive() for p in processes):
                 return killed
             continue
         sink(event)
-        if killed is None and _is_kill_point(phase, event):
+        if killed is None and isinstance(event, SaveStarted) and event.step == phase.kill_at:
             killed = _kill_one(phase, processes, sink)
-
-
-def _is_kill_point(phase: Phase, event: Event) -> bool:
-    return isinstance(event, SaveStarted) and event.step == phase.kill_at
 
 
 def _kill_one(phase: Phase, processes: Sequence[BaseProcess], sink: EventSink) -> int:
@@ -161,10 +157,6 @@ def _stop(processes: Sequence[BaseProcess], sig: signal.Signals) -> None:
         if process.is_alive() and process.pid is not None:
             os.kill(process.pid, signal.SIGKILL)
             process.join()
-
-
-def _any_failed(processes: Sequence[BaseProcess]) -> bool:
-    return any(p.exitcode not in (None, 0) for p in processes)
 
 
 def _check_exits(phase: Phase, processes: Sequence[BaseProcess], killed: int | None) -> None:

@@ -77,7 +77,8 @@ def _train(
     for step in range(first_step, phase.end_step + 1):
         x, y = global_batch(tokens, step, config.batch_size, config.model.context_len, config.seed)
         batches = rank_micro_batches(x, y, config.micro_batches, rank, phase.world_size)
-        set_learning_rate(optimizer, learning_rate(step, config))
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, config)
         loss = train_step(model, optimizer, batches, config.micro_batches, phase.world_size)
         save_step = step % config.save_every == 0
         digest = state_digest(model, optimizer) if save_step else None
@@ -138,11 +139,6 @@ def learning_rate(step: int, config: DemoConfig) -> float:
     progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
-
-
-def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
 
 
 def train_step(

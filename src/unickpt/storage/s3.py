@@ -199,7 +199,9 @@ class _StreamHandle(StreamHandle):
         self._put = False
 
     def _append(self, buffers: list[memoryview]) -> None:
-        self._raise_failed()
+        for fut in self._futures:  # a failed upload stops the stream
+            if fut.done() and fut.exception() is not None:
+                fut.result()
         self._held.append(b"".join(buffers))
         self._held_bytes += len(self._held[-1])
         if self._held_bytes < stream_part_bytes(self._count, self._store):
@@ -225,11 +227,6 @@ class _StreamHandle(StreamHandle):
                 self._slots.release()
 
         self._futures.append(self._pool.submit(run))
-
-    def _raise_failed(self) -> None:
-        for fut in self._futures:
-            if fut.done() and fut.exception() is not None:
-                fut.result()
 
     def _complete(self) -> None:
         rest = memoryview(b"".join(self._held))

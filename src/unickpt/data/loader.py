@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DistributedSampler
@@ -62,14 +62,6 @@ class EpochOrder:
     shuffle: bool
     seed: int
     drop_last: bool
-
-    def saved(self) -> dict[str, Any]:
-        return {
-            "dataset_len": self.dataset_len,
-            "shuffle": self.shuffle,
-            "seed": self.seed,
-            "drop_last": self.drop_last,
-        }
 
 
 def reshardable(
@@ -163,7 +155,7 @@ class ReshardableLoader:
         done = used_up or used * (source.batch_size or 1) >= len(sampler)  # type: ignore[arg-type]
         consumed = self._base + self.world_size * used * (source.batch_size or 1)
         return {
-            "order": order.saved(),
+            "order": asdict(order),
             "epoch": epoch,
             "base": 0 if used_up else self._base,
             "yielded": used,

@@ -365,18 +365,15 @@ class S3Storage(Storage):
         if not self.prefix:
             return None
         head = self.prefix.rpartition("/")[0]
-        url = f"s3://{self.bucket}/{head}" if head else f"s3://{self.bucket}"
-        return S3Storage(
-            url,
-            settings=self.settings,
-            client=self.client,
-            page_size=self.page_size,
-            stats=self.stats,
-        )
+        return self._at(f"s3://{self.bucket}/{head}" if head else f"s3://{self.bucket}")
 
     def child(self, name: str) -> S3Storage:
+        return self._at(f"s3://{self.bucket}/{self._key(name)}")
+
+    def _at(self, url: str) -> S3Storage:
+        """The folder at ``url`` through this one's client, settings and counters."""
         return S3Storage(
-            f"s3://{self.bucket}/{self._key(name)}",
+            url,
             settings=self.settings,
             client=self.client,
             page_size=self.page_size,

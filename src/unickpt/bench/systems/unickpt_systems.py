@@ -5,18 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import unickpt
 from unickpt.bench.model import TrainState
 from unickpt.bench.systems.base import CheckpointSystem, SaveHandle
 from unickpt.bench.systems.registry import SystemInfo
-
-
-def _api() -> Any:
-    import unickpt
-
-    for name in ("save", "load", "async_save"):
-        if not hasattr(unickpt, name):
-            raise ImportError(f"unickpt.{name} is not available in this installation")
-    return unickpt
 
 
 class _UnickptFuture(SaveHandle):
@@ -48,15 +40,14 @@ class UnickptSystem(CheckpointSystem):
 
     def __init__(self, info: SystemInfo) -> None:
         super().__init__(info)
-        self._unickpt = _api()
         self.notes = f"{self._HOW}; {_settings()}"
 
     def save(self, path: Path, state: TrainState) -> SaveHandle:
-        self._unickpt.save(str(path), state.state())
+        unickpt.save(str(path), state.state())
         return SaveHandle()
 
     def load(self, path: Path, state: TrainState) -> None:
-        self.bytes_read_reported = self._unickpt.load(str(path), state.state()).bytes_read
+        self.bytes_read_reported = unickpt.load(str(path), state.state()).bytes_read
 
 
 class UnickptAsyncSystem(UnickptSystem):
@@ -65,7 +56,7 @@ class UnickptAsyncSystem(UnickptSystem):
     _HOW = "blocking = call + wait_snapshot(); staging arena reused between saves"
 
     def save(self, path: Path, state: TrainState) -> SaveHandle:
-        return _UnickptFuture(self._unickpt.async_save(str(path), state.state()), True)
+        return _UnickptFuture(unickpt.async_save(str(path), state.state()), True)
 
 
 class UnickptZeroStallSystem(UnickptSystem):
@@ -78,5 +69,5 @@ class UnickptZeroStallSystem(UnickptSystem):
     )
 
     def save(self, path: Path, state: TrainState) -> SaveHandle:
-        future = self._unickpt.async_save(str(path), state.state(), zero_stall=True)
+        future = unickpt.async_save(str(path), state.state(), zero_stall=True)
         return _UnickptFuture(future, False)

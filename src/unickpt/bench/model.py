@@ -192,7 +192,7 @@ def _fill_local_shards(model: GPT) -> None:
     rank = dist.get_rank()
     with torch.no_grad():
         for index, param in enumerate(model.parameters()):
-            local = _local(param)
+            local = local_part(param)
             gen = torch.Generator().manual_seed(1_000_003 * rank + index)
             values = torch.randn(local.shape, generator=gen, dtype=local.dtype).mul_(0.02)
             local.copy_(values)
@@ -202,13 +202,14 @@ def local_state_bytes(state: TrainState) -> int:
     """Bytes of this rank's shards of parameters and optimizer tensors."""
     total = 0
     for param in state.model.parameters():
-        total += _local(param).nbytes
+        total += local_part(param).nbytes
         for value in state.optimizer.state.get(param, {}).values():
             if isinstance(value, torch.Tensor):
-                total += _local(value).nbytes
+                total += local_part(value).nbytes
     return total
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (its local shard when it is a DTensor)."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor

@@ -20,7 +20,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-from unickpt.bench.model import TrainState
+from unickpt.bench.model import TrainState, local_part
 from unickpt.bench.systems.base import CheckpointSystem, SaveHandle
 from unickpt.bench.systems.registry import SystemInfo
 from unickpt.bench.systems.torch_systems import writer_threads
@@ -32,15 +32,10 @@ def _shim_cuda() -> None:
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
-
-
 def _sharded(key: str, tensor: torch.Tensor, like: torch.Tensor) -> ShardedTensor:
     """A ShardedTensor for ``tensor``, split like the DTensor ``like`` (Shard(d) over ranks)."""
     placements = getattr(like, "placements", None)
-    local = _local(tensor)
+    local = local_part(tensor)
     if placements is None or local.dim() == 0:
         replica = 0 if dist.get_rank() == 0 else 1
         return ShardedTensor.from_rank_offsets(key, local.view(1), replica_id=replica)

@@ -13,22 +13,17 @@ from typing import Any
 import torch
 import torchsnapshot
 
-from unickpt.bench.model import TrainState
+from unickpt.bench.model import TrainState, local_part
 from unickpt.bench.systems.base import CheckpointSystem, SaveHandle, Unsupported
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 def _local_tensors(state: TrainState) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, param in state.model.named_parameters():
-        out[f"model.{name}"] = _local(param.data)
+        out[f"model.{name}"] = local_part(param.data)
         for key, value in state.optimizer.state.get(param, {}).items():
             if isinstance(value, torch.Tensor):
-                out[f"optimizer.{name}.{key}"] = _local(value)
+                out[f"optimizer.{name}.{key}"] = local_part(value)
     return out
 
 

@@ -16,34 +16,23 @@ from typing import Any
 
 # Each name's module, imported on first use: ``unickpt inspect`` and ``verify`` import no torch
 # (the conversions import what their formats need).
-_LAZY = {
-    "FORMATS": ".convert",
-    "ConvertOptions": ".convert",
-    "export_checkpoint": ".convert",
-    "import_checkpoint": ".convert",
-    "DiffReport": ".diff",
-    "TensorDiff": ".diff",
-    "ValueDiff": ".diff",
-    "diff_checkpoints": ".diff",
-    "import_dcp": ".from_dcp",
-    "import_deepspeed": ".from_deepspeed",
-    "import_megatron": ".from_megatron",
-    "import_safetensors": ".from_safetensors",
-    "import_torch": ".from_torch",
-    "CheckpointSummary": ".inspection",
-    "ObjectInfo": ".inspection",
-    "TensorInfo": ".inspection",
-    "inspect_checkpoint": ".inspection",
-    "ConvertReport": ".reports",
-    "export_dcp": ".to_dcp",
-    "export_safetensors": ".to_safetensors",
-    "export_torch": ".to_torch",
-    "format_bytes": "..units",
-    "parse_size": "..units",
-    "Damage": ".verify",
-    "VerifyReport": ".verify",
-    "verify_checkpoint": ".verify",
+_MODULES = {
+    ".convert": ("FORMATS", "ConvertOptions", "export_checkpoint", "import_checkpoint"),
+    ".diff": ("DiffReport", "TensorDiff", "ValueDiff", "diff_checkpoints"),
+    ".from_dcp": ("import_dcp",),
+    ".from_deepspeed": ("import_deepspeed",),
+    ".from_megatron": ("import_megatron",),
+    ".from_safetensors": ("import_safetensors",),
+    ".from_torch": ("import_torch",),
+    ".inspection": ("CheckpointSummary", "ObjectInfo", "TensorInfo", "inspect_checkpoint"),
+    ".reports": ("ConvertReport",),
+    ".to_dcp": ("export_dcp",),
+    ".to_safetensors": ("export_safetensors",),
+    ".to_torch": ("export_torch",),
+    "..units": ("format_bytes", "parse_size"),
+    ".verify": ("Damage", "VerifyReport", "verify_checkpoint"),
 }
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:

@@ -39,7 +39,6 @@ the dispatcher. Such writes must wait for ``future.wait_snapshot()``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -114,10 +113,6 @@ class Capture:
             f"no version recorded at the call for '{key}'"
         )
         return found
-
-    def check_all(self, keys: Sequence[str]) -> None:
-        for key in keys:
-            self.check(key)
 
 
 def capture(state: dict[str, Any]) -> Capture:

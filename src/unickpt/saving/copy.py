@@ -13,7 +13,6 @@ from typing import Any
 from ..engine.ring import Stager
 from ..engine.snapshot import snapshot
 from ..engine.sources import ItemSource, needs_pinned
-from ..planning.capture import Capture
 from .plan import PlannedSave
 from .save import Save
 
@@ -41,24 +40,23 @@ def stages(save: Save, planned: PlannedSave) -> bool:
 def copy(
     save: Save,
     planned: PlannedSave,
-    captured: Capture | None = None,
+    check: Callable[[str], None] | None = None,
     intra_op: bool = False,
     marker: Any = None,
 ) -> Copy:
-    """Phase 3. With ``captured`` (zero-stall), each tensor is checked unchanged since the
-    call once copied (or, without a copy, before and after the write); ``marker``, a CUDA
-    event the copy waits for. Never raises: a failure becomes a check that fails the
-    write, so that every rank learns of it."""
+    """Phase 3. With ``check`` (zero-stall: raises when the tensor at a key of the state
+    changed since the call), each tensor is checked once copied (or, without a copy, before
+    and after the write); ``marker``, a CUDA event the copy waits for. Never raises: a
+    failure becomes a check that fails the write, so that every rank learns of it."""
     views, items = planned.views, planned.items
     keys = [planned.state_key(i.key) for i in items]  # as the capture knows them
-    check_item = None if captured is None else _checking(captured, keys)
+    check_item = None if check is None else _checking(check, keys)
     failed: Exception | None = None
     try:
         if marker is not None:
             marker.synchronize()
         if not stages(save, planned):  # the write reads the live tensors
-            check = None if captured is None else lambda: captured.check_all(keys)
-            return Copy(live(planned), check=check)
+            return Copy(live(planned), check=None if check is None else lambda: _each(check, keys))
         small = planned.nbytes <= save.budget
         room = save.turn.room(planned.file_bytes if small else save.budget, needs_pinned(views))
         if not small:
@@ -76,9 +74,14 @@ def live(planned: PlannedSave) -> list[ItemSource]:
     return [ItemSource(v) for v in planned.views]
 
 
-def _checking(captured: Capture, keys: list[str]) -> Callable[[int], None]:
+def _checking(check: Callable[[str], None], keys: list[str]) -> Callable[[int], None]:
     """A check of item ``i``'s tensor: unchanged since the call."""
-    return lambda i: captured.check(keys[i])
+    return lambda i: check(keys[i])
+
+
+def _each(check: Callable[[str], None], keys: list[str]) -> None:
+    for key in keys:
+        check(key)
 
 
 def _raising(error: Exception) -> Callable[[], None]:

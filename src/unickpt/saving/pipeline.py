@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,12 +59,13 @@ MODES = ("sync", "async", "zero_stall")
 
 @dataclass(frozen=True)
 class Taken:
-    """What a save took in the call: the ``state`` to plan; for a zero-stall save, its
-    ``captured`` state (None when the capture failed, ``failed`` then saying why: raised in
-    the planning step, on every rank) and the CUDA event its copy waits for."""
+    """What a save took in the call: the ``state`` to plan; for a zero-stall save, the
+    ``check`` that a tensor (by its key in the state) is unchanged since the call (None when
+    the capture failed, ``failed`` then saying why: raised in the planning step, on every
+    rank) and the CUDA event its copy waits for."""
 
     state: dict[str, Any]
-    captured: Capture | None = None
+    check: Callable[[str], None] | None = None
     failed: Exception | None = None
     marker: Any = None
 
@@ -104,7 +106,8 @@ def _take(save: Save, state: dict[str, Any]) -> Taken:
         failed = e
     marker = stream_marker()  # CUDA: the copy starts after the caller's queued kernels
     hold_steps(save.future)
-    return Taken({} if captured is None else captured.state, captured, failed, marker)
+    check = None if captured is None else captured.check
+    return Taken({} if captured is None else captured.state, check, failed, marker)
 
 
 def phases(save: Save, taken: Taken, mode: str) -> SaveReport | None:
@@ -119,7 +122,7 @@ def phases(save: Save, taken: Taken, mode: str) -> SaveReport | None:
         if in_call:
             copied = Copy(live(planned))
         else:  # an async save's caller waits for the copy: torch's threads help
-            copied = copy(save, planned, taken.captured, mode == "async", taken.marker)
+            copied = copy(save, planned, taken.check, mode == "async", taken.marker)
     except BaseException:  # interrupted: nothing stays held
         if planned.release is not None:
             planned.release()

@@ -127,10 +127,8 @@ def phases(save: Save, taken: Taken, mode: str) -> SaveReport | None:
         if planned.release is not None:
             planned.release()
         raise
-    if mode == "async" and not in_call:  # the call returns once the copy is done (run)
-        save.turn.run_in_background(lambda: write_and_commit(save, planned, copied))
-        return None
-    return write_and_commit(save, planned, copied)
+    background = mode == "async" and not in_call  # the call returns once the copy is done
+    return save.turn.then(lambda: write_and_commit(save, planned, copied), background)
 
 
 def write_and_commit(save: Save, planned: PlannedSave, copied: Copy) -> SaveReport:

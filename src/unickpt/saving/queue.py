@@ -90,6 +90,14 @@ class Turn:
         else:
             self.future.set_result(result)
 
+    def then(self, work: Callable[[], Any], in_background: bool) -> Any:
+        """Run ``work``, the rest of the save: now, its result for the caller to end the turn
+        with; or in the background (:meth:`run_in_background`), None."""
+        if not in_background:
+            return work()
+        self.run_in_background(work)
+        return None
+
     def run_in_background(self, work: Callable[[], Any]) -> None:
         """Run ``work`` on a thread of its own once the saves before this one have ended, then
         end with its outcome. Not a daemon: an interpreter that exits joins it, so a save is

@@ -32,7 +32,7 @@ import unickpt
 from unickpt.config import get_config
 from unickpt.demo.lora import add_lora
 from unickpt.demo.model import GPT, GPTConfig
-from unickpt.engine.incremental import hash_items
+from unickpt.engine.checksum import hash_items
 from unickpt.engine.sources import ItemSource
 
 

@@ -56,19 +56,17 @@ from fnmatch import fnmatchcase
 
 import torch
 
-from ..format.dtypes import buffer_of
 from ..format.metadata import ChunkMeta, Compression, Metadata
 from ..format.references import FileLocation, parse_reference
 from ..layouts.boxes import Box
 from ..planning.save_plan import CHUNK_ALIGN, WriteItem
-from .checksum import segment_digests
+from .checksum import checksums_of, hash_items
 from .compress import pack
 from .data_file import WriteResult
 from .sources import ItemSource
 
 log = logging.getLogger(__name__)
 
-_HASH_PIECE_SEGMENTS = 64
 BLOCK_ROWS = 1 << 14
 MAX_CHANGED_FRACTION = 0.5
 PIECE_INDEX_BYTES = 40
@@ -220,42 +218,31 @@ class IncrementalSave:
     def _pieces_of(
         self, items: Sequence[WriteItem], sources: Sequence[ItemSource], threads: int
     ) -> list[list[Piece]]:
-        """Each item as pieces: to write (with their checksums) or stored already."""
+        """Each item as pieces: to write (with their checksums) or stored already. An item is
+        its stored chunk when their raw checksums match or, for a compressed chunk read from
+        an index, when it compresses alike; a table compared by rows is cut into runs."""
         seg = self.segment_bytes
-        rowwise = [i for i, it in enumerate(items) if self.basis.tracks_rows(it)]
-        tracked = set(rowwise)
-        plain = [i for i in range(len(items)) if i not in tracked]
+        tables = [self.basis.tracks_rows(it) for it in items]
+        plain = [i for i, table in enumerate(tables) if not table]
+        stored = {i: c for i in plain if (c := self._stored(items[i])) is not None}
+        unknown = [i for i, c in stored.items() if not c.content_known]
+        packed = same_when_packed(
+            [sources[i] for i in unknown], [stored[i] for i in unknown], seg, threads
+        )
+        same = dict(zip(unknown, packed))
+        out: list[list[Piece]] = [[] for _ in items]
+        for i, table in enumerate(tables):
+            if table:
+                out[i] = self._row_pieces(items[i], sources[i])
         sums = hash_items(
             [sources[i] for i in plain], [items[i].nbytes for i in plain], seg, threads
         )
-        out: list[list[Piece]] = [[] for _ in items]
-        stored = [self._stored(items[i]) for i in plain]
-        equal = self._compare(stored, [sources[i] for i in plain], sums, threads)
-        for i, digests, c, same in zip(plain, sums, stored, equal):
-            kept = replace(c, raw_checksums=digests) if c is not None and same else None
-            out[i] = [Piece(items[i].box, kept, sources[i], digests)]
-        for i in rowwise:
-            out[i] = self._row_pieces(items[i], sources[i])
+        for i, digests in zip(plain, sums):
+            c = stored.get(i)
+            kept = c is not None and same.get(i, c.content == digests)
+            chunk = replace(c, raw_checksums=digests) if c is not None and kept else None
+            out[i] = [Piece(items[i].box, chunk, sources[i], digests)]
         return out
-
-    def _compare(
-        self,
-        stored: Sequence[StoredChunk | None],
-        sources: Sequence[ItemSource],
-        sums: Sequence[tuple[str, ...]],
-        threads: int,
-    ) -> list[bool]:
-        """Whether each item's bytes (checksums ``sums``) are those of its stored chunk: by
-        their raw checksums, or, for a compressed chunk read from an index, compressed alike."""
-        unknown = [(n, c) for n, c in enumerate(stored) if c is not None and not c.content_known]
-        found = same_when_packed(
-            [sources[n] for n, _ in unknown], [c for _, c in unknown], self.segment_bytes, threads
-        )
-        packed = {n: same for (n, _), same in zip(unknown, found)}
-        return [
-            packed.get(n, c is not None and c.content == digests)
-            for n, (c, digests) in enumerate(zip(stored, sums))
-        ]
 
     def _stored(self, item: WriteItem) -> StoredChunk | None:
         """The stored chunk of ``item``'s key and box, of its size; None without one."""
@@ -474,37 +461,6 @@ def same_when_packed(
 
     with ThreadPoolExecutor(threads, thread_name_prefix="unickpt-hash") as pool:
         return list(pool.map(run, range(len(sources))))
-
-
-def hash_items(
-    sources: Sequence[ItemSource], nbytes: Sequence[int], segment: int, threads: int
-) -> list[tuple[str, ...]]:
-    """Every item's checksums (xxh3-64 per segment), hashed in pieces on ``threads`` threads."""
-    step = segment * _HASH_PIECE_SEGMENTS
-    tasks = [
-        (i, start)
-        for i, (src, n) in enumerate(zip(sources, nbytes))
-        for start in (range(0, max(n, 1), step) if src.direct else (0,))
-    ]
-
-    def run(task: tuple[int, int]) -> tuple[str, ...]:
-        i, start = task
-        src = sources[i]
-        data = src.contiguous_bytes()
-        stop = start + step if src.direct else nbytes[i]
-        return checksums_of(data[start:stop], segment)
-
-    with ThreadPoolExecutor(threads, thread_name_prefix="unickpt-hash") as pool:
-        pieces = list(pool.map(run, tasks))
-    out: list[tuple[str, ...]] = [() for _ in sources]
-    for (i, _), sums in zip(tasks, pieces):
-        out[i] += sums
-    return out
-
-
-def checksums_of(data: torch.Tensor, segment: int) -> tuple[str, ...]:
-    """The checksums of the bytes ``data`` (a uint8 tensor), one per ``segment`` bytes."""
-    return tuple(segment_digests(buffer_of(data), segment))
 
 
 def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:

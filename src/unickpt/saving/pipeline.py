@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..config import Config
@@ -41,7 +41,7 @@ from ..engine.hold import hold_steps
 from ..engine.snapshot import stream_marker
 from ..engine.sources import needs_pinned
 from ..layouts.rules import LayoutMap
-from ..planning.capture import Capture, capture
+from ..planning.capture import capture
 from ..planning.flatten import flatten_state
 from ..planning.save_plan import CHUNK_ALIGN
 from .commit import commit
@@ -80,7 +80,7 @@ def run(save: Save, state: dict[str, Any], mode: str) -> SaveFuture:
     try:
         if mode == "zero_stall":
             taken = _take(save, state)
-            save.turn.run_in_background(lambda: phases(save, taken, mode))
+            save.turn.proceed(lambda: phases(save, taken, mode), background=True)
         else:
             save.turn.wait()
             report = phases(save, Taken(state), mode)
@@ -98,16 +98,14 @@ def run(save: Save, state: dict[str, Any], mode: str) -> SaveFuture:
 def _take(save: Save, state: dict[str, Any]) -> Taken:
     """A zero-stall save's capture (what fails in it is raised in the planning step, on
     every rank); from now on every optimizer step of the process waits for the copy."""
-    captured: Capture | None = None
-    failed: Exception | None = None
     try:
         captured = capture(state)
+        taken = Taken(captured.state, captured.check)
     except Exception as e:  # noqa: BLE001 - raised in the planning step, on every rank
-        failed = e
+        taken = Taken({}, failed=e)
     marker = stream_marker()  # CUDA: the copy starts after the caller's queued kernels
     hold_steps(save.future)
-    check = None if captured is None else captured.check
-    return Taken({} if captured is None else captured.state, check, failed, marker)
+    return replace(taken, marker=marker)
 
 
 def phases(save: Save, taken: Taken, mode: str) -> SaveReport | None:
@@ -128,7 +126,7 @@ def phases(save: Save, taken: Taken, mode: str) -> SaveReport | None:
             planned.release()
         raise
     background = mode == "async" and not in_call  # the call returns once the copy is done
-    return save.turn.then(lambda: write_and_commit(save, planned, copied), background)
+    return save.turn.proceed(lambda: write_and_commit(save, planned, copied), background)
 
 
 def write_and_commit(save: Save, planned: PlannedSave, copied: Copy) -> SaveReport:

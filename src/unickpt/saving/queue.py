@@ -90,18 +90,13 @@ class Turn:
         else:
             self.future.set_result(result)
 
-    def then(self, work: Callable[[], Any], in_background: bool) -> Any:
-        """Run ``work``, the rest of the save: now, its result for the caller to end the turn
-        with; or in the background (:meth:`run_in_background`), None."""
-        if not in_background:
+    def proceed(self, work: Callable[[], Any], background: bool) -> Any:
+        """Go on with ``work``: now, its result for the caller to end the turn with; or in the
+        ``background``, on a thread of its own once the saves before this one have ended, then
+        end with its outcome (not a daemon: an interpreter that exits joins it, so a save is
+        never cut off midway)."""
+        if not background:
             return work()
-        self.run_in_background(work)
-        return None
-
-    def run_in_background(self, work: Callable[[], Any]) -> None:
-        """Run ``work`` on a thread of its own once the saves before this one have ended, then
-        end with its outcome. Not a daemon: an interpreter that exits joins it, so a save is
-        never cut off midway."""
 
         def run() -> None:
             try:
@@ -113,6 +108,7 @@ class Turn:
                 self.end(result)
 
         threading.Thread(target=run, name="unickpt-async-save", daemon=False).start()
+        return None
 
 
 class SaveQueue:
@@ -160,7 +156,7 @@ class SaveQueue:
             self.arena.take(nbytes, pinned, touch=True)
             return self.arena.capacity_bytes
 
-        turn.run_in_background(allocate)
+        turn.proceed(allocate, background=True)
         return turn.future
 
     def _leave(self, turn: Turn) -> None:

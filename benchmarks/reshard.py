@@ -4,7 +4,8 @@ Saves transformer-shaped matrices as ``Shard(0)`` over ``--world`` CPU ranks (gl
 them, alternating, into ``Shard(0)`` (the same layout), into ``Shard(1)`` with reads shared on the
 host, and into ``Shard(1)`` with every rank reading alone (``share_reads=False``). Times are the
 slowest rank's, medians (min, max) of ``--runs`` rounds; CPU times (user and system, all threads)
-and bytes are summed over ranks. On a machine that others share, CPU time is the steadier
+and bytes are summed over ranks; the garbage collector's runs during the loads are counted per
+rank and load. On a machine that others share, CPU time is the steadier
 figure: waiting for a core does not count.
 
 python benchmarks/reshard.py --mb 400 --world 2 --runs 5
@@ -13,6 +14,7 @@ python benchmarks/reshard.py --mb 400 --world 2 --runs 5
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -70,22 +72,43 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) ->
     }
     configs = {c: get_config(share_reads=c != "reshard_alone") for c in CASES}
     rows: list[dict[str, Any]] = []
+    collections = _Collections()
     for run in range(args.runs + 1):
         for case in CASES if run % 2 else reversed(CASES):
             dist.barrier()
             cpu = _cpu_s()
+            collections.reset()
             start = time.perf_counter()
             report = unickpt.load(path, dests[case], config=configs[case])
             elapsed = time.perf_counter() - start
             rows.append(
                 dict(run=run, case=case, s=elapsed, cpu=_cpu_s() - cpu, read=report.bytes_read,
-                     wanted=report.bytes_wanted, peers=report.bytes_from_peers)
+                     wanted=report.bytes_wanted, peers=report.bytes_from_peers,
+                     gc=collections.count, gc_s=collections.seconds)
             )  # fmt: skip
     reference = _state(shapes, mesh, 1, fill=True)
     got = dests["reshard"]
     equal = all(torch.equal(got[k].to_local(), reference[k].to_local()) for k in shapes)
     q.put((rank, rows, equal))
     dist.destroy_process_group()
+
+
+class _Collections:
+    """The garbage collector's runs (and their seconds) since :meth:`reset`."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._t0 = 0, 0.0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def reset(self) -> None:
+        self.count, self.seconds = 0, 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._t0
 
 
 def _cpu_s() -> float:
@@ -99,6 +122,12 @@ def _cpu(per_rank: list[list[dict[str, Any]]], run: int, case: str) -> float:
 
 def _slowest(per_rank: list[list[dict[str, Any]]], run: int, case: str) -> float:
     return max(r["s"] for rows in per_rank for r in rows if (r["run"], r["case"]) == (run, case))
+
+
+def _per_load(per_rank: list[list[dict[str, Any]]], runs: int, case: str, field: str) -> float:
+    """``field`` summed over ranks and measured rounds, per rank and load."""
+    total = sum(r[field] for rows in per_rank for r in rows if r["case"] == case and r["run"])
+    return total / (runs * len(per_rank))
 
 
 def _summary(per_rank: list[list[dict[str, Any]]], runs: int) -> dict[str, Any]:
@@ -120,6 +149,8 @@ def _summary(per_rank: list[list[dict[str, Any]]], runs: int) -> dict[str, Any]:
             cpu_ratio_to_same_median=statistics.median(cpu_ratios),
             bytes_read=sum(r["read"] for r in last), bytes_needed=sum(r["wanted"] for r in last),
             bytes_from_peers=sum(r["peers"] for r in last),
+            collections_per_load=_per_load(per_rank, runs, case, "gc"),
+            collection_s_per_load=_per_load(per_rank, runs, case, "gc_s"),
         )  # fmt: skip
         out[case]["read_over_needed"] = out[case]["bytes_read"] / out[case]["bytes_needed"]
     return out

@@ -34,6 +34,7 @@ from ..planning.node_plan import NodePlan, plan_node_reads
 from ..planning.per_rank import missing_warning, needs_reshard, reshard
 from ..planning.save_keys import StateKeys, rename_to_saved
 from ..storage.base import Storage
+from .collector import collector_paused
 from .commit import read_metadata
 from .exchange import ExchangeStats, across_nodes, node_of_reads, rank_needs, run_exchange
 from .indexes import SavedChunks
@@ -88,6 +89,7 @@ class _Plan:
     nodes: NodePlan | None = None
 
 
+@collector_paused()
 def load(
     comm: Comm,
     storage: Storage,

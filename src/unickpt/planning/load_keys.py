@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import CheckpointMismatchError
 from ..format.dtypes import dtype_from_name, dtype_name, itemsize
 from ..format.metadata import Metadata
+from ..units import format_bytes
 from .flatten import Flattened, memory_span
 
 KeyMap = Mapping[str, str] | Callable[[str], str | None]
@@ -302,7 +303,7 @@ def summarize(meta: Metadata, keys: Iterable[str]) -> str:
             nbytes += math.prod(t.shape) * itemsize(dtype_from_name(t.dtype))
     parts = []
     if tensors:
-        parts.append(f"{tensors} tensor{'s' * (tensors != 1)} ({_bytes(nbytes)})")
+        parts.append(f"{tensors} tensor{'s' * (tensors != 1)} ({format_bytes(nbytes)})")
     if values:
         parts.append(f"{values} value{'s' * (values != 1)}")
     return ", ".join(parts) or "nothing"
@@ -338,11 +339,3 @@ def not_loaded_warning(
 def few(keys: list[str], n: int = 8) -> str:
     shown = ", ".join(repr(k) for k in keys[:n])
     return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"  # pragma: no cover

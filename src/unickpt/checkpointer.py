@@ -229,11 +229,6 @@ class Checkpointer:
         save is handed to every rank with its error: a save that fails, fails on every rank,
         and every rank is ready for the next one.
         """
-        future = self._save(step, state)
-        self._last_step = step
-        return future
-
-    def _save(self, step: int, state: dict[str, Any]) -> SaveFuture:
         self.wait()
         if step < 0:
             raise CheckpointError(f"step is {step}; expected a non-negative integer.")
@@ -270,6 +265,7 @@ class Checkpointer:
         )
         if self._tier is not None:
             self._tier.pending = self._pending
+        self._last_step = step
         return self._pending
 
     def prepare_staging(self, state: dict[str, Any]) -> SaveFuture:

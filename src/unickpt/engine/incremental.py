@@ -281,7 +281,7 @@ class IncrementalSave:
         for a, b, is_changed in changed_runs(changed):
             if is_changed:
                 sums = checksums_of(data[a * row_bytes : b * row_bytes], seg)
-                out.append(Piece(sub_box(item.box, a, b), None, rows_of(source, a, b), sums))
+                out.append(Piece(sub_box(item.box, a, b), None, ItemSource(source.view[a:b]), sums))
                 continue
             for j in range(bisect_right(starts, a) - 1, len(starts)):
                 p0, p1, stored = before.pieces[j]
@@ -425,10 +425,6 @@ def _changed(pieces: list[list[Piece]], compress: Sequence[bool]) -> Changed:
         refs,
         [ps[0].checksums if len(ps) == 1 else () for ps in pieces],  # raw, by the plan
     )
-
-
-def rows_of(source: ItemSource, start: int, stop: int) -> ItemSource:
-    return ItemSource(source.view[start:stop])
 
 
 def relaid(items: Sequence[WriteItem]) -> tuple[WriteItem, ...]:

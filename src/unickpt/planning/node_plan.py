@@ -111,7 +111,7 @@ def plan_node_reads(
     cuts: dict[tuple[object, ...], Cut] = {}
     node_of = {r: o.node for r, o in enumerate(offers) if o is not None}
     for ranks in _sources(offers).values():
-        for (_, file, _), needs in sorted(by_chunk_of(offers, ranks, _any).items()):
+        for (_, file, _), needs in sorted(by_chunk_of(offers, ranks, lambda *_: True).items()):
             if len({node_of[r] for r, _, _ in needs}) < 2:
                 continue  # one node's: shared on its host, or read alone
             chunk, size, cut = cut_chunk(tensors, files, needs, segment_bytes, unit_bytes, cuts)
@@ -122,10 +122,6 @@ def plan_node_reads(
                 units.append((Unit(key, file, chunk, size, lo, hi, -1, 0, 0, parts), compressed))
     fetches = _owned(_packed(units, unit_bytes), node_of)
     return _in_rounds(fetches, round_bytes)
-
-
-def _any(rank: int, index: int, need: object) -> bool:
-    return True
 
 
 def _sources(offers: Sequence[RankNeeds | None]) -> dict[str, list[int]]:

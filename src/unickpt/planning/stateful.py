@@ -92,10 +92,6 @@ def _plain_state_dict(m: nn.Module) -> bool:
     )
 
 
-def _uses_fsdp1(module: nn.Module) -> bool:
-    return bool(FSDP1) and any(isinstance(m, FSDP1) for m in module.modules())
-
-
 def is_numbered_optimizer_state(value: Any) -> bool:
     """Whether ``value`` has ``torch.optim.Optimizer.state_dict()``'s format: state keyed by
     parameter number, param groups listing numbers."""
@@ -120,7 +116,7 @@ def owner_module(
     if not params:
         return None
     for module in modules:
-        names = _param_names(module)
+        names = {id(p): n for n, p in unwrap(module).named_parameters()}
         if all(id(p) in names for p in params):
             return module, names
     return None
@@ -150,7 +146,7 @@ class StatefulAdapter:
                     "by position and will not reshard. Put the model in the same state dict."
                 )
         target = obj if isinstance(obj, nn.Module) else self.model
-        self.fsdp1 = target is not None and _uses_fsdp1(target)
+        self.fsdp1 = target is not None and any(isinstance(m, FSDP1) for m in target.modules())
 
     def _torch_format(self) -> bool:
         """Whether the optimizer's state dict is torch's (asking it only if its class has its
@@ -221,10 +217,6 @@ def _filled_in_place(module: nn.Module, loaded: dict[str, Any]) -> bool:
 def _storage_ptr(t: torch.Tensor) -> tuple[int, int]:
     local = t.to_local() if hasattr(t, "to_local") else t
     return int(local.untyped_storage().data_ptr()), int(local.storage_offset())
-
-
-def _param_names(model: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in unwrap(model).named_parameters()}
 
 
 def _optimizer_order(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

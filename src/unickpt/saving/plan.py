@@ -215,7 +215,8 @@ def agree(
     raise_failures(comm, "planning the save", [f for f, _ in gathered], caught)
     shared = [s for _, s in gathered]
     save_id, share_bytes = shared[0][2]
-    key = _plan_key((*(s for s, *_ in shared), str(share_bytes)))
+    signatures = (*(s for s, *_ in shared), str(share_bytes))
+    key = hashlib.blake2b(repr(signatures).encode(), digest_size=16).hexdigest()
     cached = all(c == key for _, c, *_ in shared)
     reduce_replicas(comm, local[0], [r for *_, r in shared])  # Replicated tensors, if any
     entry = _PLAN_CACHE.get(key) if cached else None
@@ -225,10 +226,6 @@ def agree(
         _PLAN_CACHE.clear()
         _PLAN_CACHE[key] = entry
     return save_id, entry.plan, cached
-
-
-def _plan_key(signatures: tuple[str, ...]) -> str:
-    return hashlib.blake2b(repr(signatures).encode(), digest_size=16).hexdigest()
 
 
 def _reused_plan(comm: Comm, mine: Any) -> tuple[tuple[str, int], GlobalPlan] | None:

@@ -6,14 +6,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 
 from ..errors import CheckpointCorruptError
 from ..format.dtypes import buffer_of
 from ..format.metadata import CHECKSUM_ALGORITHM, ChunkMeta
-from .sources import ItemSource
+
+if TYPE_CHECKING:  # a load's checks import no torch (the CLI's inspect and verify)
+    import torch
+
+    from .sources import ItemSource
 
 ALGORITHM = CHECKSUM_ALGORITHM
 

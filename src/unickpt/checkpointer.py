@@ -281,19 +281,12 @@ class Checkpointer:
         return pipeline.prepare_staging(state, self.config, self.staging_bytes, self.layout)
 
     def _next_incremental(self, step: int, first: bool) -> IncrementalSave | None:
-        """The incremental save of ``step`` (None without ``incremental=True``)."""
+        """The incremental save of ``step`` (None without ``incremental=True``). The first
+        starts from the newest committed step before ``step`` (a restarted job), so the save
+        refers to its unchanged chunks. Read on the coordinator and handed to every rank; a
+        checkpoint that does not read leaves the save full on every rank."""
         if self._basis is None:
             return None
-        if first:
-            self._seed_basis(self._basis, step)
-        alive = {step_name(s) for s in self._root.committed()}
-        return self._basis.next_save(step_name(step), self.config.segment_bytes, alive.__contains__)
-
-    def _seed_basis(self, basis: Basis, step: int) -> None:
-        """The first incremental save: start from the newest committed step before ``step``
-        (a restarted job), so the save refers to its unchanged chunks. Read on the
-        coordinator and handed to every rank; a checkpoint that does not read leaves the save
-        full on every rank."""
 
         def newest_older() -> tuple[str, Metadata] | None:
             older = [s for s in self._root.list_committed() if s < step]
@@ -311,9 +304,12 @@ class Checkpointer:
                 return None
             return step_name(older[-1]), meta
 
-        found = decide(self._comm, f"reading the newest checkpoint of {self.root}", newest_older)
+        what = f"reading the newest checkpoint of {self.root}"
+        found = decide(self._comm, what, newest_older) if first else None
         if found is not None:
-            basis.seed(*found)
+            self._basis.seed(*found)
+        alive = {step_name(s) for s in self._root.committed()}
+        return self._basis.next_save(step_name(step), self.config.segment_bytes, alive.__contains__)
 
     def _retain(self, newest: int) -> None:
         """Retention after ``newest`` committed: on the coordinator only, never raising."""

@@ -117,7 +117,9 @@ def _write_compressed(
     try:
         stream = _CompressedStream(handle, config.segment_bytes, threads, progress, timeline)
         entries, offsets = stream.write(raws, widths)
-        result = _compressed_result(entries, offsets, handle.nbytes)
+        placed = tuple((at, p.compression) for at, p in zip(offsets, entries))
+        raw = tuple(p.raw_checksums for p in entries)
+        result = WriteResult(tuple(p.checksums for p in entries), handle.nbytes, placed, raw)
         if timeline is not None:
             timeline.add("file", time.perf_counter() - t0)
         with timed(timeline, "complete"):
@@ -126,14 +128,6 @@ def _write_compressed(
         handle.abort()
         raise
     return result
-
-
-def _compressed_result(
-    entries: Sequence[Packed], offsets: Sequence[int], nbytes: int
-) -> WriteResult:
-    placed = tuple((at, p.compression) for at, p in zip(offsets, entries))
-    raw = tuple(p.raw_checksums for p in entries)
-    return WriteResult(tuple(p.checksums for p in entries), nbytes, placed, raw)
 
 
 class _CompressedStream:

@@ -95,12 +95,6 @@ class StoredChunk:
         """The checksums of the chunk's raw bytes, as a save hashes them."""
         return self.raw_checksums or self.checksums
 
-    @property
-    def content_known(self) -> bool:
-        """Whether :attr:`content` is known: not for a compressed chunk read from an index
-        (which records the checksums of its stored bytes only)."""
-        return self.compression is None or bool(self.raw_checksums)
-
 
 _Chunks = dict[tuple[str, Box], StoredChunk]
 
@@ -225,7 +219,8 @@ class IncrementalSave:
         tables = [self.basis.tracks_rows(it) for it in items]
         plain = [i for i, table in enumerate(tables) if not table]
         stored = {i: c for i in plain if (c := self._stored(items[i])) is not None}
-        unknown = [i for i, c in stored.items() if not c.content_known]
+        # A compressed chunk read from an index records the checksums of its stored bytes only.
+        unknown = [i for i, c in stored.items() if c.compression and not c.raw_checksums]
         packed = same_when_packed(
             [sources[i] for i in unknown], [stored[i] for i in unknown], seg, threads
         )
@@ -262,7 +257,9 @@ class IncrementalSave:
             if int(changed.sum()) <= MAX_CHANGED_FRACTION * rows:
                 pieces = self._pieces(item, source, data, row_bytes, changed, before)
         written = sum(p.box.lengths[0] for p in pieces if p.stored is None) * row_bytes
-        if not pieces or not pieces_pay(written, len(pieces), item.nbytes):
+        # The pieces pay when they and their index entries cost less than the table whole.
+        cost = written + len(pieces) * PIECE_INDEX_BYTES
+        if not pieces or cost > MAX_CHANGED_FRACTION * item.nbytes:
             return [Piece(item.box, None, source, checksums_of(data, self.segment_bytes))]
         return pieces
 
@@ -506,8 +503,3 @@ def changed_runs(changed: torch.Tensor) -> list[tuple[int, int, bool]]:
 def sub_box(box: Box, start: int, stop: int) -> Box:
     """Rows ``[start, stop)`` of a 2-D box (counted from the box's first row)."""
     return Box((box.offsets[0] + start, *box.offsets[1:]), (stop - start, *box.lengths[1:]))
-
-
-def pieces_pay(written_bytes: int, pieces: int, table_bytes: int) -> bool:
-    """Whether writing ``written_bytes`` as ``pieces`` pieces beats writing the table whole."""
-    return written_bytes + pieces * PIECE_INDEX_BYTES <= MAX_CHANGED_FRACTION * table_bytes

@@ -44,7 +44,11 @@ def intra_op_fits() -> bool:
     threads = torch.get_num_threads()
     if threads < 2:
         return False
-    return threads * _ranks_on_host() <= len(os.sched_getaffinity(0))
+    ranks = _local_world_size()
+    if ranks is None:
+        dist = torch.distributed
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return threads * ranks <= len(os.sched_getaffinity(0))
 
 
 def copy_threads(wanted: int) -> int:
@@ -54,15 +58,6 @@ def copy_threads(wanted: int) -> int:
     of memory are bound by the cores, so a thread more than that only waits its turn (and its
     start costs about a millisecond on a busy host)."""
     return max(1, min(wanted, len(os.sched_getaffinity(0)) // (_local_world_size() or 1)))
-
-
-def _ranks_on_host() -> int:
-    """``LOCAL_WORLD_SIZE`` (set by torchrun), else the whole process group (an upper bound)."""
-    local = _local_world_size()
-    if local is None:
-        dist = torch.distributed
-        local = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return local
 
 
 def _local_world_size() -> int | None:

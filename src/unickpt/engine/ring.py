@@ -141,7 +141,11 @@ class Stager:
                 self._on_copied()
 
     def _run(self, parts: list[Part]) -> None:
-        remaining = _bytes_per_item(parts, len(self._views))
+        remaining = [0] * len(self._views)  # the bytes of each item not yet copied
+        for p in parts:
+            for s in p.spans:
+                if s.item is not None:
+                    remaining[s.item] += s.nbytes
         try:
             for part in parts:
                 at = self._reserve(part) if _payload(part) else 0
@@ -208,12 +212,3 @@ class Stager:
 
 def _payload(part: Part) -> int:
     return sum(s.nbytes for s in part.spans if s.item is not None)
-
-
-def _bytes_per_item(parts: Sequence[Part], count: int) -> list[int]:
-    out = [0] * count
-    for p in parts:
-        for s in p.spans:
-            if s.item is not None:
-                out[s.item] += s.nbytes
-    return out

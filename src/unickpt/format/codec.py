@@ -68,16 +68,7 @@ def encode_metadata(meta: Metadata) -> bytes:
         "producer": meta.producer,
         "checksum_algorithm": meta.checksum_algorithm,
         "segment_bytes": meta.segment_bytes,
-        "files": [
-            {
-                "data": f.data,
-                "nbytes": f.nbytes,
-                "index": f.index,
-                "index_nbytes": f.index_nbytes,
-                "index_checksum": f.index_checksum,
-            }
-            for f in meta.file_refs
-        ],
+        "files": [asdict(f) for f in meta.file_refs],  # data, nbytes, index, its nbytes, checksum
         "tensors": {k: _encode_tensor(t) for k, t in meta.tensors.items()},
         "objects": meta.objects,
         "per_rank": {k: list(v) for k, v in meta.per_rank.items()},
@@ -126,8 +117,11 @@ def decode_metadata(raw: bytes, source: str) -> Metadata:
         segment = int(doc["segment_bytes"])
         if segment <= 0 or segment % 16:
             raise ValueError(f"segment_bytes is {segment}, expected a positive multiple of 16")
+        world = int(doc["world_size"])
+        if not 1 <= world <= MAX_WORLD_SIZE:
+            raise ValueError(f"world_size is {world}, expected 1 to {MAX_WORLD_SIZE}")
         return Metadata(
-            world_size=_world_size(doc["world_size"]),
+            world_size=world,
             files=tuple(r.data for r in refs),
             tensors=tensors,
             objects=dict(doc["objects"]),
@@ -148,13 +142,6 @@ def decode_metadata(raw: bytes, source: str) -> Metadata:
             f"{source}: the metadata is not well formed ({type(e).__name__}: {e}); the "
             "checkpoint is damaged. Load an earlier checkpoint."
         ) from e
-
-
-def _world_size(value: Any) -> int:
-    world = int(value)
-    if not 1 <= world <= MAX_WORLD_SIZE:
-        raise ValueError(f"world_size is {world}, expected 1 to {MAX_WORLD_SIZE}")
-    return world
 
 
 def _check_stored_bytes(key: str, t: TensorMeta, source: str) -> None:
@@ -556,14 +543,8 @@ def _check_in_file(meta: Metadata, key: str, chunk: ChunkMeta) -> None:
 
 
 def encode_commit(record: CommitRecord) -> bytes:
-    doc = {
-        "format": FORMAT_NAME,
-        "version": record.version,
-        "metadata_file": record.metadata_file,
-        "metadata_nbytes": record.metadata_nbytes,
-        "metadata_checksum": record.metadata_checksum,
-        "save_id": record.save_id,
-    }
+    # The version second, as before the record's fields (which hold it too).
+    doc = {"format": FORMAT_NAME, "version": record.version, **asdict(record)}
     return json.dumps(doc, indent=1).encode("utf-8")
 
 

@@ -226,8 +226,4 @@ def replicated(reduce: str = "check") -> Wrap:
     """Values every tensor-parallel rank holds alike (LayerNorm weights): ``"check"`` fails the
     save when the copies differ, ``"mean"`` saves their mean (see :class:`~unickpt.Replicated`)."""
     Replicated(torch.zeros(1), reduce)  # checks reduce now, not at the first save
-
-    def wrap(t: Any) -> Replicated:
-        return Replicated(t, reduce)
-
-    return wrap
+    return lambda t: Replicated(t, reduce)

@@ -90,28 +90,18 @@ class ChunkIndex:
         if self.ndim == 0:
             return [(c, box) for c in self.chunks]
         if self.few:
-            found = []
-            for chunk in self.chunks:
-                overlap = chunk.box.intersect(box)
-                if overlap is not None:
-                    found.append((chunk, overlap))
-            return found
-        lo = box.offsets[self.dim] - self.max_len + 1
-        hi = box.offsets[self.dim] + box.lengths[self.dim]
-        first, last = np.searchsorted(self.starts, [lo, hi], side="left").tolist()
-        near = self.order[first:last]
-        rows = self.coords[near]
-        ndim = self.ndim
-        offsets, lengths = rows[:, :ndim], rows[:, ndim:]
-        want_lo, want_hi = np.array(box.offsets), np.array(box.ends)
-        meets = ((offsets < want_hi) & (offsets + lengths > want_lo) & (lengths > 0)).all(axis=1)
-        found = []
-        for i in near[meets].tolist():
-            chunk = self.all[i]
-            overlap = chunk.box.intersect(box)
-            if overlap is not None:
-                found.append((chunk, overlap))
-        return found
+            chunks = self.chunks
+        else:  # those whose rows meet the box, in the index's order
+            lo = box.offsets[self.dim] - self.max_len + 1
+            hi = box.offsets[self.dim] + box.lengths[self.dim]
+            first, last = np.searchsorted(self.starts, [lo, hi], side="left").tolist()
+            near = self.order[first:last]
+            rows = self.coords[near]
+            offsets, lengths = rows[:, : self.ndim], rows[:, self.ndim :]
+            want_lo, want_hi = np.array(box.offsets), np.array(box.ends)
+            meets = (offsets < want_hi) & (offsets + lengths > want_lo) & (lengths > 0)
+            chunks = [self.all[i] for i in near[meets.all(axis=1)].tolist()]
+        return [(c, o) for c in chunks if (o := c.box.intersect(box)) is not None]
 
 
 _FEW = 8

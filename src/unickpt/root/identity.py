@@ -83,7 +83,3 @@ def ensure_root_id(storage: Storage) -> str:
             "does not read its own writes. Check the storage backend."
         )
     return written
-
-
-def identity_of(storage: Storage, root_id: str) -> RootIdentity:
-    return RootIdentity(resolved_location(storage), root_id)

@@ -36,12 +36,7 @@ def step_of(name: str) -> int | None:
 
 def step_folders(root: Storage) -> dict[int, str]:
     """Every step folder under ``root`` (committed or not), by step."""
-    found = {}
-    for name in root.list_names():
-        step = step_of(name)
-        if step is not None:
-            found[step] = name
-    return found
+    return {step: n for n in root.list_names() if (step := step_of(n)) is not None}
 
 
 def committed_steps(root: Storage) -> list[int]:

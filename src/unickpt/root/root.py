@@ -31,7 +31,7 @@ from ..engine.references import needed_steps
 from ..errors import CheckpointError
 from ..format.metadata import COMMIT_FILE
 from ..storage.base import HeldLock, Storage
-from .identity import RootIdentity, ensure_root_id, identity_of, read_root_id, resolved_location
+from .identity import RootIdentity, ensure_root_id, read_root_id, resolved_location
 from .names import committed_steps, step_folders, step_name
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,9 @@ class Root:
 
         def read() -> RootIdentity | None:
             root_id = ensure_root_id(self.storage) if create else read_root_id(self.storage)
-            return None if root_id is None else identity_of(self.storage, root_id)
+            if root_id is None:
+                return None
+            return RootIdentity(resolved_location(self.storage), root_id)
 
         return decide(self.comm, f"reading the identity of {self.location}", read)
 

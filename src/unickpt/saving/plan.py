@@ -135,7 +135,8 @@ def plan(save: Save, state: dict[str, Any], failed: Exception | None = None) -> 
                 check_replaceable(storage, o.overwrite)
             extra = (uuid.uuid4().hex[:12], save.config.replica_share_bytes)
         ids = (packed.table_id, packed.kinds_id)
-        shared = (packed.signature(), cached_plan_key(), extra, ids, specs)
+        cached = next(iter(_PLAN_CACHE), None)  # the key of the plan of the last save
+        shared = (packed.signature(), cached, extra, ids, specs)
         return (flat, packed, values, per_rank), shared
 
     local: Any = None
@@ -189,11 +190,6 @@ def check_replaceable(storage: Storage, overwrite: bool) -> None:
             f"checkpoints in {', '.join(referring)} refer to; replacing it would break them. "
             "Save under a new step, or delete those checkpoints first. Nothing was written."
         )
-
-
-def cached_plan_key() -> str | None:
-    """The key of the plan kept from the last save (None before the first)."""
-    return next(iter(_PLAN_CACHE), None)
 
 
 def agree(
@@ -259,11 +255,9 @@ def _agree_on_plan(
     same plans; run_step still gathers the outcome, so that a rank failing alone (out of
     memory) cannot leave the others waiting."""
     plans = _exchange_plans(comm, plan, ids)
-
-    def build() -> tuple[GlobalPlan, None]:
-        return build_global_plan(plans, share_bytes), None
-
-    built, _ = run_step(comm, "planning the save", build)
+    built, _ = run_step(
+        comm, "planning the save", lambda: (build_global_plan(plans, share_bytes), None)
+    )
     return built
 
 

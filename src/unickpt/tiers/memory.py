@@ -152,21 +152,14 @@ class MemoryStore:
 
     def steps(self) -> list[int]:
         """Every step folder (committed or not), ascending."""
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        return sorted(int(m.group(1)) for m in map(_STEP.match, names) if m)
+        return sorted(int(m.group(1)) for m in map(_STEP.match, _listdir(self.root)) if m)
 
     def committed(self) -> list[int]:
         return [s for s in self.steps() if (self.step_path(s) / COMMIT_FILE).is_file()]
 
     def present(self, step: int) -> frozenset[str]:
         """Data files of the step whose index file is there too (so the data is complete)."""
-        try:
-            names = set(os.listdir(self.step_path(step)))
-        except FileNotFoundError:
-            return frozenset()
+        names = set(_listdir(self.step_path(step)))
         return frozenset(n for n in names if _DATA.match(n) and index_of(n) in names)
 
     def holdings(self) -> list[Holding]:

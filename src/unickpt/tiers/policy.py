@@ -188,11 +188,7 @@ class TierPolicy:
         due = self._since_persist >= self.tier.persist_every
         if due:
             self._since_persist = 0
-
-        def committed() -> None:
-            self._after_commit(step, due)
-
-        return store.step_storage(step), committed
+        return store.step_storage(step), lambda: self._after_commit(step, due)
 
     def _prepare_folder(self, nodes: Nodes, store: MemoryStore) -> tuple[None, None]:
         """On each node's leader: claim the job's folder and retire older steps. Run as a step

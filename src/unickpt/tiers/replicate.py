@@ -130,17 +130,11 @@ def replicate(
 
     def land() -> tuple[None, None]:
         with folder_errors(f"renaming the replicas' indexes into place in {folder}"):
-            commit_replicas(folder, [(landing.name, ref.index) for ref, landing in receives])
+            for ref, landing in receives:  # its data file is whole: present from now on
+                os.replace(folder / landing.name, folder / ref.index)
         return None, None
 
     run_step(group, f"making room for the replicas of memory step {step}", make_room)
     run_step(group, f"sending the replicas of memory step {step}", move)
     run_step(group, f"committing the replicas of memory step {step}", land)
     return sum(t.nbytes for t in transfers if t.send)
-
-
-def commit_replicas(folder: Path, renames: list[tuple[str, str]]) -> None:
-    """Rename each received index into place: its data file is whole, so it counts as present
-    from now on."""
-    for tmp, final in renames:
-        os.replace(folder / tmp, folder / final)

@@ -20,7 +20,7 @@ back into its container, and each stateful object a finalizer that gives it its 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -81,6 +81,17 @@ class Flattened:
 
     def keys(self) -> set[str]:
         return set(self.tensors) | set(self.values) | set(self.per_rank) | set(self.aliases)
+
+    def renamed(self, new: Callable[[str], str]) -> Flattened:
+        """These leaves with their tensors, values, per-rank values and aliases keyed
+        ``new(key)``."""
+        return replace(
+            self,
+            tensors={new(k): replace(t, key=new(k)) for k, t in self.tensors.items()},
+            values={new(k): replace(v, key=new(k)) for k, v in self.values.items()},
+            per_rank={new(k): v for k, v in self.per_rank.items()},
+            aliases={new(k): new(v) for k, v in self.aliases.items()},
+        )
 
 
 def flatten_state(

@@ -10,7 +10,6 @@ bitmap over the sorted saved keys, and the bitmaps are combined with one ``all_r
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -168,17 +167,7 @@ def rename_for_load(flat: Flattened, saved: Iterable[str], keys: KeyMap) -> Flat
                 f"'{target}' of the state; expected one saved key per state key. Fix the mapping."
             )
         to_saved[target] = name
-
-    def new(key: str) -> str:
-        return to_saved.get(key, key)
-
-    return dataclasses.replace(
-        flat,
-        tensors={new(k): dataclasses.replace(t, key=new(k)) for k, t in flat.tensors.items()},
-        values={new(k): dataclasses.replace(v, key=new(k)) for k, v in flat.values.items()},
-        per_rank={new(k): v for k, v in flat.per_rank.items()},
-        aliases={new(k): new(v) for k, v in flat.aliases.items()},
-    )
+    return flat.renamed(lambda key: to_saved.get(key, key))
 
 
 def _stored_tensor(meta: Metadata, names: list[str]) -> str | None:

@@ -57,16 +57,12 @@ def rename_for_save(flat: Flattened, keys: KeyMap | None) -> Renamed:
     def new(key: str) -> str:
         return saved.get(key, key)
 
-    renamed = dataclasses.replace(
-        flat,
-        tensors={new(k): dataclasses.replace(t, key=new(k)) for k, t in flat.tensors.items()},
-        values={new(k): dataclasses.replace(v, key=new(k)) for k, v in flat.values.items()},
-        per_rank={new(k): v for k, v in flat.per_rank.items()},
-        aliases={new(k): new(v) for k, v in flat.aliases.items()},
+    out = dataclasses.replace(
+        flat.renamed(new),
         reductions={new(k): r for k, r in flat.reductions.items()},
         numbered=[new(k) for k in flat.numbered],
     )
-    return Renamed(renamed, {s: k for k, s in saved.items() if s != k})
+    return Renamed(out, {s: k for k, s in saved.items() if s != k})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,8 +85,14 @@ def snapshot(
             rest = _copy_large(jobs, check) if intra_op and intra_op_fits() else jobs
             if len(rest) < 2 or threads == 1:
                 _copy_all(rest, check, threading.Event())
-            else:
-                _copy_parallel(rest, check, threads)
+            else:  # on the copy threads, in batches of about equal bytes
+                stop = threading.Event()
+                batches = _batches(rest, threads)
+                futures = [_pool(threads).submit(_copy_all, b, check, stop) for b in batches]
+                wait(futures)
+                for f in futures:
+                    if (error := f.exception()) is not None:
+                        raise error
     return [ItemSource(dst) for _, dst, _ in jobs]
 
 
@@ -105,16 +111,6 @@ def _copy_large(jobs: list[_Job], check: Callable[[int], None] | None) -> list[_
         else:
             rest.append((i, dst, src))
     return rest
-
-
-def _copy_parallel(jobs: list[_Job], check: Callable[[int], None] | None, threads: int) -> None:
-    stop = threading.Event()
-    futures = [_pool(threads).submit(_copy_all, b, check, stop) for b in _batches(jobs, threads)]
-    wait(futures)
-    for f in futures:
-        error = f.exception()
-        if error is not None:
-            raise error
 
 
 def _copy_all(jobs: list[_Job], check: Callable[[int], None] | None, stop: threading.Event) -> None:

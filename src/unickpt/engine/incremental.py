@@ -277,8 +277,9 @@ class IncrementalSave:
         out = []
         for a, b, is_changed in changed_runs(changed):
             if is_changed:
+                rows = ItemSource(source.view[a:b])
                 sums = checksums_of(data[a * row_bytes : b * row_bytes], seg)
-                out.append(Piece(sub_box(item.box, a, b), None, ItemSource(source.view[a:b]), sums))
+                out.append(Piece(sub_box(item.box, a, b), None, rows, sums))
                 continue
             for j in range(bisect_right(starts, a) - 1, len(starts)):
                 p0, p1, stored = before.pieces[j]

@@ -8,24 +8,18 @@ run side by side on the engine's own threads. The exception: a copy of at least
 faster, as long as the intra-op threads of every rank on the host fit its cores
 (:func:`intra_op_fits`).
 
-Rows are copied one memcpy per row (:func:`copy_rows`). glibc copies with ``rep movsb`` from
-``REP_MOVSB_BYTES`` on processors with fast short ``rep movsb`` (FSRM), and with vector stores
-below; on the development machine 96 MiB of 1.5 KiB half rows took 17-19 ms that way against
-10-12 ms as 3 KiB copies. Where rows shorter than that lie at most twice their length apart in
-the source and back to back in the destination (half of every row of a saved chunk, loaded
-into ``Shard(1)``), each row is copied together with the source bytes up to the next row, into
-the next row's place, which the next row's copy then overwrites: one copy of at least the
-threshold per row, from a source read straight through (:func:`copy_host_rows`).
+Parts of saved chunks (half of every row, in a load into another layout) are copied by NumPy
+element by element in their own layouts (:func:`copy_elements`): its strided loops copy them as
+fast as a load copies whole chunks (two ranks on the development machine, 384 MiB from the page
+cache, ``benchmarks/reshard_floor.py``), where one ``memcpy`` per row was slower.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import as_strided
 
 from ..format.dtypes import byte_view
 
@@ -80,97 +74,27 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
         dst.copy_(src, non_blocking=non_blocking)
 
 
-_MAX_ROW_BYTES = 2**30  # NumPy's void items are limited in size; longer rows copy as bytes
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def host_rows(t: torch.Tensor) -> np.ndarray | None:
-    """A NumPy view of a CPU tensor whose last dimension is contiguous, one opaque item per
-    row (so that copying it is one memcpy per row); None where torch must copy it."""
-    if t.device.type != "cpu" or t.dim() == 0 or t.stride(-1) != 1 or t.numel() == 0:
-        return None
-    t = t.detach()
-    run = t.shape[-1] * t.element_size()
-    if run > _MAX_ROW_BYTES:
+def elements(t: torch.Tensor) -> np.ndarray | None:
+    """A NumPy view of a CPU tensor's elements, in its layout, each as an integer of its size (so
+    that bfloat16 and float8 copy bit for bit); None where torch must copy it."""
+    kind = _SAME_SIZE_INTS.get(t.element_size())
+    if t.device.type != "cpu" or kind is None:
         return None
     try:
-        raw = t if t.dtype == torch.uint8 else t.view(torch.uint8)
-    except RuntimeError:
+        return t.detach().view(kind).numpy()  # type: ignore[no-any-return]
+    except (RuntimeError, TypeError):  # conjugate or negative views, which NumPy cannot take
         return None
-    return raw.numpy().view(np.dtype((np.void, run)))  # type: ignore[no-any-return]
 
 
-def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for same-shaped, same-dtype tensors; CPU tensors whose rows are
-    contiguous are copied one memcpy per row through NumPy (no OpenMP region), others by torch.
-    """
-    d = host_rows(dst) if dst.dtype == src.dtype else None
-    s = host_rows(src) if d is not None else None
+def copy_elements(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for same-shaped, same-dtype tensors: CPU tensors by NumPy (no OpenMP
+    region, the interpreter lock released), others by torch."""
+    d = elements(dst) if dst.dtype == src.dtype else None
+    s = elements(src) if d is not None else None
     if d is None or s is None:
         dst.copy_(src)
     else:
-        copy_host_rows(d, s)
-
-
-REP_MOVSB_BYTES = 2112
-"""glibc's default threshold for ``rep movsb`` on processors with fast short ``rep movsb``."""
-
-
-def copy_host_rows(d: np.ndarray, s: np.ndarray) -> None:
-    """``np.copyto(d, s)`` for row views made by :func:`host_rows`; rows shorter than
-    ``REP_MOVSB_BYTES`` whose source rows lie at least that far apart, and less than twice their
-    length at most, are copied as longer, overlapping rows (see the module's docstring)."""
-    if not _overlaps_pay(d, s):
         np.copyto(d, s)
-        return
-    _copy_overlapped(d, s)
-
-
-def _overlaps_pay(d: np.ndarray, s: np.ndarray) -> bool:
-    """Whether ``d`` (a matrix of rows by one void item, rows back to back) takes ``s`` faster as
-    overlapping copies, and this process copies such items in ascending order."""
-    if d.ndim != 2 or d.shape != s.shape or d.shape[0] < 2 or d.shape[1] != 1:
-        return False
-    run, step = d.itemsize, s.strides[0]
-    if d.strides[0] != run or not run < REP_MOVSB_BYTES <= step <= 2 * run:
-        return False
-    if np.may_share_memory(d, s):  # the overlap would write over rows still to be read
-        return False
-    return _fast_short_rep_movsb() and _ascending_overlaps()
-
-
-def _copy_overlapped(d: np.ndarray, s: np.ndarray) -> None:
-    """Rows ``0 .. n-2`` of ``s`` copied with the bytes up to the next row (one source stride
-    each), into ``d``'s row and the start of the next, which the next row's copy overwrites;
-    the last row alone. ``d``'s rows lie back to back; its rows never overlap ``s``."""
-    n, run, step = d.shape[0], d.itemsize, s.strides[0]
-    wide = np.dtype((np.void, step))
-    to = as_strided(d.view(np.uint8), (n - 1, step), (run, 1)).view(wide)
-    of = as_strided(s.view(np.uint8), (n - 1, step), (step, 1)).view(wide)
-    np.copyto(to, of)
-    np.copyto(d[n - 1 :], s[n - 1 :])
-
-
-@functools.cache
-def _ascending_overlaps() -> bool:
-    """Whether NumPy copies the items of a one-dimensional view in ascending order, which
-    overlapping destination items rely on: checked once on a small example, never assumed."""
-    run, step, n = 40, 72, 9
-    src = np.arange(n * step, dtype=np.uint32).astype(np.uint8).reshape(n, step)
-    rows = np.dtype((np.void, run))
-    d = np.zeros((n, run), dtype=np.uint8)
-    _copy_overlapped(d.view(rows), src[:, :run].view(rows))
-    return bool(np.array_equal(d, src[:, :run]))
-
-
-@functools.cache
-def _fast_short_rep_movsb() -> bool:
-    """Whether this processor announces fast short ``rep movsb`` (Linux on x86: the ``fsrm`` flag
-    of ``/proc/cpuinfo``), with which glibc copies with it from ``REP_MOVSB_BYTES``."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "fsrm" in line.split()
-    except OSError:
-        pass
-    return False

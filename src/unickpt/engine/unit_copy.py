@@ -1,8 +1,8 @@
 """Copying a rank's parts out of the bytes of a shared unit (see :mod:`unickpt.engine.exchange`).
 
 A part is a box of a saved chunk that one rank needs; in a load into another layout it is
-typically half of every row. Parts are copied one memcpy per row through NumPy
-(:func:`unickpt.engine.memcpy.copy_rows`): a ``Tensor.copy_`` per part would open an OpenMP
+typically half of every row. Parts are copied by NumPy in their own layouts
+(:func:`unickpt.engine.memcpy.copy_elements`): a ``Tensor.copy_`` per part would open an OpenMP
 region from every I/O thread of every rank of the host at once.
 
 The owner of a unit verifies it and copies its own parts in one pass (:func:`verify_and_copy`):
@@ -22,7 +22,7 @@ import torch
 from ..layouts.boxes import row_major_strides
 from ..planning.exchange_plan import Unit, flat_span
 from ..planning.load_plan import ReadItem
-from .memcpy import copy_host_rows, copy_rows, host_rows
+from .memcpy import copy_elements, elements
 from .read_chunks import ChunkRef, check_segments
 
 
@@ -82,7 +82,7 @@ def copy_parts(raw: torch.Tensor, u: Unit, needed: Sequence[ReadItem], rank: int
     """Copy ``rank``'s parts of unit ``u`` out of ``raw`` (the unit's bytes); bytes placed."""
     placed = 0
     for c in part_copies(raw, u, needed, rank):
-        copy_rows(c.dst, c.src)
+        copy_elements(c.dst, c.src)
         placed += c.nbytes
     return placed
 
@@ -102,26 +102,26 @@ def verify_and_copy(
             stop = min(c.slices, k + per)
             blocks.append((c.end(stop), i, k, stop))
     blocks.sort()
-    rows = [_rows(c) for c in copies]
+    views = [_views(c) for c in copies]
     done, size = 0, raw.numel()
     for end, i, k, stop in blocks:
         while done < end:
             check_segments(ref, u.lo + done, raw[done : done + segment], segment)
             done += segment
-        c, pair = copies[i], rows[i]
-        if pair is not None:  # row views made once per part, not once per block
-            copy_host_rows(pair[0][k:stop], pair[1][k:stop])
+        c, pair = copies[i], views[i]
+        if pair is not None:  # NumPy views made once per part, not once per block
+            np.copyto(pair[0][k:stop], pair[1][k:stop])
         else:
-            copy_rows(c.dst[k:stop] if c.step else c.dst, c.src[k:stop] if c.step else c.src)
+            copy_elements(c.dst[k:stop] if c.step else c.dst, c.src[k:stop] if c.step else c.src)
     while done < size:
         check_segments(ref, u.lo + done, raw[done : done + segment], segment)
         done += segment
     return sum(c.nbytes for c in copies)
 
 
-def _rows(c: PartCopy) -> tuple[np.ndarray, np.ndarray] | None:
-    """NumPy row views of a part sliced along its first dimension (None: torch copies it)."""
-    if not c.step or c.src.dim() < 2 or c.src.dtype != c.dst.dtype:
+def _views(c: PartCopy) -> tuple[np.ndarray, np.ndarray] | None:
+    """NumPy views of a part sliced along its first dimension (None: torch copies it)."""
+    if not c.step or c.src.dtype != c.dst.dtype:
         return None
-    d, s = host_rows(c.dst), host_rows(c.src)
+    d, s = elements(c.dst), elements(c.src)
     return None if d is None or s is None else (d, s)

@@ -1,9 +1,9 @@
 """Host copies, and which threads run them.
 
 Many small ``Tensor.copy_`` calls each open an OpenMP parallel region; on a busy machine
-(training threads, data loaders) their barriers cost far more than the copy. Contiguous CPU
-copies go through NumPy instead (a plain memcpy that releases the GIL), and several of them
-run side by side on the engine's own threads. The exception: a copy of at least
+(training threads, data loaders) their barriers cost far more than the copy. CPU copies go
+through NumPy instead (:func:`copy_elements`, which releases the GIL), and several of them run
+side by side on the engine's own threads. The exception: a copy of at least
 ``LARGE_COPY_BYTES`` made while the caller waits for it, where torch's intra-op threads are
 faster, as long as the intra-op threads of every rank on the host fit its cores
 (:func:`intra_op_fits`).
@@ -20,8 +20,6 @@ import os
 
 import numpy as np
 import torch
-
-from ..format.dtypes import byte_view
 
 # One parallel region per copy costs a few microseconds; at 1 MiB that is under 1% of the copy.
 LARGE_COPY_BYTES = 1 << 20
@@ -60,20 +58,6 @@ def _local_world_size() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-def copy_tensor(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
-    """``dst.copy_(src)`` for same-shaped, same-dtype tensors, memcpy when both allow it."""
-    if (
-        src.device.type == "cpu"
-        and dst.device.type == "cpu"
-        and src.is_contiguous()
-        and dst.is_contiguous()
-        and src.dtype == dst.dtype
-    ):
-        np.copyto(byte_view(dst).numpy(), byte_view(src).numpy())
-    else:
-        dst.copy_(src, non_blocking=non_blocking)
-
-
 _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -89,12 +73,12 @@ def elements(t: torch.Tensor) -> np.ndarray | None:
         return None
 
 
-def copy_elements(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for same-shaped, same-dtype tensors: CPU tensors by NumPy (no OpenMP
+def copy_elements(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """``dst.copy_(src)`` for same-shaped tensors: CPU tensors of one dtype by NumPy (no OpenMP
     region, the interpreter lock released), others by torch."""
     d = elements(dst) if dst.dtype == src.dtype else None
     s = elements(src) if d is not None else None
     if d is None or s is None:
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=non_blocking)
     else:
         np.copyto(d, s)

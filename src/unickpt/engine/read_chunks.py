@@ -41,7 +41,7 @@ from ..storage.base import Storage
 from .checksum import ChunkRef, check_buffer
 from .compress import read_packed
 from .file_maps import FileMaps
-from .memcpy import copy_tensor, copy_threads
+from .memcpy import copy_elements, copy_threads
 from .scratch import Scratch
 
 _SMALL_RUN_BYTES = 64 * 1024
@@ -283,7 +283,7 @@ class _Reader:
             if self.verify and item.chunk.checksums:
                 ref = ChunkRef(item.key, item.file, item.chunk)
                 check_segments(ref, 0, data, self.segment)
-            copy_tensor(byte_view(item.dest), data)
+            copy_elements(byte_view(item.dest), data)
         return hi - lo
 
     def _read_verified(self, item: ReadItem, start: int, out: torch.Tensor) -> None:

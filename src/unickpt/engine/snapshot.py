@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 
 from ..planning.save_plan import WriteItem
-from .memcpy import LARGE_COPY_BYTES, copy_tensor, intra_op_fits
+from .memcpy import LARGE_COPY_BYTES, copy_elements, intra_op_fits
 from .sources import ItemSource, needs_pinned
 
 # Copy threads live across saves: starting them costs more than a copy of tens of MB. Recreated
@@ -76,7 +76,7 @@ def snapshot(
     with torch.no_grad():
         if pinned:
             for _, dst, src in jobs:
-                copy_tensor(dst, src, non_blocking=True)
+                copy_elements(dst, src, non_blocking=True)
             torch.cuda.synchronize()
             if check is not None:
                 for i, _, _ in jobs:
@@ -118,7 +118,7 @@ def _copy_all(jobs: list[_Job], check: Callable[[int], None] | None, stop: threa
         if stop.is_set():
             return
         try:
-            copy_tensor(dst, src)
+            copy_elements(dst, src)
             if check is not None:
                 check(i)
         except BaseException:

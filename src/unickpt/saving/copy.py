@@ -50,7 +50,7 @@ def copy(
     failure becomes a check that fails the write, so that every rank learns of it."""
     views, items = planned.views, planned.items
     keys = [planned.state_key(i.key) for i in items]  # as the capture knows them
-    check_item = None if check is None else lambda i: check(keys[i])  # unchanged since the call
+    check_item = None if check is None else _checking(check, keys)
     failed: Exception | None = None
     try:
         if marker is not None:
@@ -72,6 +72,11 @@ def copy(
 def live(planned: PlannedSave) -> list[ItemSource]:
     """The tensors themselves, as the write's sources."""
     return [ItemSource(v) for v in planned.views]
+
+
+def _checking(check: Callable[[str], None], keys: list[str]) -> Callable[[int], None]:
+    """A check of item ``i``'s tensor: unchanged since the call."""
+    return lambda i: check(keys[i])
 
 
 def _each(check: Callable[[str], None], keys: list[str]) -> None:

@@ -49,7 +49,8 @@ from ..errors import CheckpointError
 from ..format.values import MAX_DEPTH, too_deep
 from ..layouts.dtensor import is_dtensor, local_tensor
 from ..layouts.leaves import FlatShard, Fused, Padded, PerRank, Replicated, ShardedTensor
-from .stateful import StatefulAdapter, collect_modules, is_stateful
+from .flatten import collect_modules
+from .stateful import StatefulAdapter, is_stateful
 
 COPY_IN_CALL_BYTES = 64 * 1024
 """Plain tensors of at most this many bytes are copied in the call (DTensors are not: each

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..errors import CheckpointError
 from ..format.values import MAX_DEPTH, too_deep
@@ -41,7 +42,7 @@ from ..layouts.leaves import (
 )
 from ..layouts.padded import clip_pieces
 from ..layouts.rules import LayoutMap, Rules, current_rules, rules_of
-from .stateful import StatefulAdapter, collect_modules, is_numbered_optimizer_state, is_stateful
+from .stateful import StatefulAdapter, is_numbered_optimizer_state, is_stateful
 
 
 @dataclass
@@ -108,6 +109,21 @@ def flatten_state(
     rules = rules_of(layout) if layout is not None else current_rules()
     _Walker(out, collect_modules(state), for_load, rules).walk_dict(state, "", 0)
     return out
+
+
+def collect_modules(state: Any) -> list[nn.Module]:
+    """Every nn.Module found in the containers of ``state`` (not inside other objects)."""
+    found: list[nn.Module] = []
+    stack = [state]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, nn.Module):
+            found.append(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return found
 
 
 class _Walker:

@@ -32,21 +32,6 @@ def is_stateful(value: Any) -> bool:
     )
 
 
-def collect_modules(state: Any) -> list[nn.Module]:
-    """Every nn.Module found in the containers of ``state`` (not inside other objects)."""
-    found: list[nn.Module] = []
-    stack = [state]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, nn.Module):
-            found.append(value)
-        elif isinstance(value, dict):
-            stack.extend(value.values())
-        elif isinstance(value, list):
-            stack.extend(value)
-    return found
-
-
 def unwrap(module: nn.Module) -> nn.Module:
     """The module inside DDP and ``torch.compile`` wrappers."""
     while True:

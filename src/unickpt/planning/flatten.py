@@ -15,11 +15,15 @@ the tensors at matching keys into such leaves first.
 
 The same walk serves a load: there each value leaf carries a setter that puts the loaded value
 back into its container, and each stateful object a finalizer that gives it its loaded state.
+
+A save's ``keys=`` renames the flattened keys (:func:`rename_for_save`; ``keys=lambda k:
+k.removeprefix("model.")`` writes the names ``from_pretrained`` reads) before the plan, the
+metadata, ``quantize`` and ``row_deltas`` see them; ``layout=`` patterns name the state's keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -93,6 +97,56 @@ class Flattened:
             per_rank={new(k): v for k, v in self.per_rank.items()},
             aliases={new(k): new(v) for k, v in self.aliases.items()},
         )
+
+
+KeyMap = Mapping[str, str] | Callable[[str], str | None]
+"""How ``keys=`` renames keys: a dict (keys it lacks keep their name) or a function (None: the
+key keeps its name). A save's maps the state's keys to the saved ones, a load's the saved keys
+to the state's."""
+
+
+@dataclass(frozen=True)
+class Renamed:
+    """A flattened state under its saved keys; ``state_keys`` maps each renamed saved key back
+    to the state's key (a zero-stall save checks tensors by the keys it captured)."""
+
+    flat: Flattened
+    state_keys: dict[str, str]
+
+
+def rename_for_save(flat: Flattened, keys: KeyMap | None) -> Renamed:
+    """``flat`` with every key renamed by ``keys`` (state key to saved key), its reductions and
+    numbered prefixes too. Raises :class:`CheckpointError` when two keys of the state get one
+    saved key, or a saved key is not a non-empty string."""
+    if keys is None:
+        return Renamed(flat, {})
+    saved: dict[str, str] = {}  # state key -> saved key
+    taken: dict[str, str] = {}  # saved key -> state key
+    for key in sorted(flat.keys()):
+        name = keys.get(key, key) if isinstance(keys, Mapping) else keys(key)
+        name = key if name is None else name
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(
+                f"keys= maps '{key}' of the state to {name!r}; expected a non-empty str (or "
+                "None to keep the name). Fix the mapping."
+            )
+        if name in taken:
+            raise CheckpointError(
+                f"keys= gives '{taken[name]}' and '{key}' of the state the same saved key "
+                f"'{name}'; expected one saved key per state key. Fix the mapping."
+            )
+        taken[name] = key
+        saved[key] = name
+
+    def new(key: str) -> str:
+        return saved.get(key, key)
+
+    out = replace(
+        flat.renamed(new),
+        reductions={new(k): r for k, r in flat.reductions.items()},
+        numbered=[new(k) for k in flat.numbered],
+    )
+    return Renamed(out, {s: k for k, s in saved.items() if s != k})
 
 
 def flatten_state(

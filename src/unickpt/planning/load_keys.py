@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,11 +20,7 @@ from ..errors import CheckpointMismatchError
 from ..format.dtypes import dtype_from_name, dtype_name, itemsize
 from ..format.metadata import Metadata
 from ..units import format_bytes
-from .flatten import Flattened, memory_span
-
-KeyMap = Mapping[str, str] | Callable[[str], str | None]
-"""How a load renames saved keys to the state's: a dict (saved keys it lacks keep their name)
-or a function from saved key to state key (None: the saved key keeps its name)."""
+from .flatten import Flattened, KeyMap, memory_span
 
 NUMBERED_HINT = (
     "{prefixes} {holds} an optimizer state dict keyed by parameter number "

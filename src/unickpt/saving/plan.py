@@ -32,7 +32,7 @@ from ..engine.commit import read_commit
 from ..engine.references import dependents
 from ..errors import CheckpointError, CheckpointExistsError
 from ..format.values import encode_value
-from ..planning.flatten import flatten_state
+from ..planning.flatten import flatten_state, rename_for_save
 from ..planning.local_plan import local_plan, replica_specs, views_of
 from ..planning.packed import (
     PackedPlan,
@@ -41,7 +41,6 @@ from ..planning.packed import (
     with_shared,
     without_shared,
 )
-from ..planning.save_keys import rename_for_save
 from ..planning.save_plan import GlobalPlan, WriteItem, build_global_plan
 from ..storage.base import Storage
 from .replicas import reduce_replicas

@@ -182,7 +182,7 @@ def collect_modules(state: Any) -> list[nn.Module]:
 
 class _Walker:
     def __init__(
-        self, out: Flattened, modules: list[Any], for_load: bool, rules: Rules | None = None
+        self, out: Flattened, modules: list[nn.Module], for_load: bool, rules: Rules | None = None
     ) -> None:
         self.out = out
         self.rules = rules
@@ -370,10 +370,7 @@ def _check_storable(key: str, value: Any, for_load: bool) -> None:
         )
 
 
-def _setter(parent: Any, slot: Any) -> Callable[[Any], None] | None:
-    if parent is None:
-        return None
-
+def _setter(parent: Any, slot: Any) -> Callable[[Any], None]:
     def put(v: Any) -> None:
         parent[slot] = v
 

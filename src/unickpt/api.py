@@ -28,8 +28,7 @@ from .foreign.dequantizing import DequantizingStorage
 from .foreign.detect import read_any, split_source
 from .format.metadata import Metadata
 from .layouts.rules import LayoutMap, applying
-from .planning.load_keys import KeyMap
-from .planning.save_keys import StateKeys
+from .planning.load_keys import KeyMap, StateKeys
 from .saving import pipeline
 from .saving.queue import QUEUE
 from .saving.save import Save, SaveOptions

@@ -32,8 +32,7 @@ from .errors import (
 )
 from .format.metadata import Metadata
 from .layouts.rules import LayoutMap
-from .planning.load_keys import KeyMap
-from .planning.save_keys import StateKeys
+from .planning.load_keys import KeyMap, StateKeys
 from .root import Root, RootIdentity
 from .root.names import committed_steps, open_checkpoint, step_folders, step_name
 from .saving import pipeline

@@ -25,14 +25,15 @@ from ..planning.load_keys import (
     KeyMap,
     KeyMatch,
     SavedKeys,
+    StateKeys,
     match_keys,
     not_loaded_warning,
+    rename_to_saved,
     unread_message,
 )
 from ..planning.load_plan import ChunkIndex, ReadItem, plan_reads
 from ..planning.node_plan import NodePlan, plan_node_reads
 from ..planning.per_rank import missing_warning, needs_reshard, reshard
-from ..planning.save_keys import StateKeys, rename_to_saved
 from ..storage.base import Storage
 from .collector import collector_paused
 from .commit import read_metadata

@@ -35,8 +35,7 @@ from ..errors import CheckpointError, CheckpointMismatchError
 from ..format.dtypes import dtype_name
 from ..format.metadata import ChunkMeta, Metadata, TensorMeta
 from ..planning.flatten import flatten_state
-from ..planning.load_keys import KeyMap
-from ..planning.save_keys import StateKeys, rename_to_saved
+from ..planning.load_keys import KeyMap, StateKeys, rename_to_saved
 from ..storage.base import Storage, StorageView
 from .common import foreign_format
 from .fp8_blocks import (

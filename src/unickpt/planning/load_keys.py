@@ -20,7 +20,7 @@ from ..errors import CheckpointMismatchError
 from ..format.dtypes import dtype_from_name, dtype_name, itemsize
 from ..format.metadata import Metadata
 from ..units import format_bytes
-from .flatten import Flattened, KeyMap, memory_span
+from .flatten import Flattened, KeyMap, memory_span, rename_for_save
 
 NUMBERED_HINT = (
     "{prefixes} {holds} an optimizer state dict keyed by parameter number "
@@ -324,3 +324,20 @@ def not_loaded_warning(
 def few(keys: list[str], n: int = 8) -> str:
     shown = ", ".join(repr(k) for k in keys[:n])
     return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
+
+
+@dataclass(frozen=True)
+class StateKeys:
+    """A load's ``keys`` given as a save's (state key -> saved key): the load renames its
+    state's keys as the save did (a Checkpointer loads with the map it saves with)."""
+
+    keys: KeyMap
+
+
+def rename_to_saved(flat: Flattened, saved: Iterable[str], keys: KeyMap | StateKeys) -> Flattened:
+    """A load's state under the saved keys: ``keys`` renames saved keys to the state's (see
+    :func:`rename_for_load`), a :class:`StateKeys` the state's keys to the saved ones (as
+    :func:`~unickpt.planning.flatten.rename_for_save` renamed them)."""
+    if isinstance(keys, StateKeys):
+        return rename_for_save(flat, keys.keys).flat
+    return rename_for_load(flat, saved, keys)

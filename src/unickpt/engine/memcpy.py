@@ -9,9 +9,9 @@ faster, as long as the intra-op threads of every rank on the host fit its cores
 (:func:`intra_op_fits`).
 
 Parts of saved chunks (half of every row, in a load into another layout) are copied by NumPy
-element by element in their own layouts (:func:`copy_elements`): its strided loops copy them as
-fast as a load copies whole chunks (two ranks on the development machine, 384 MiB from the page
-cache, ``benchmarks/reshard_floor.py``), where one ``memcpy`` per row was slower.
+element by element in their own layouts (:func:`copy_elements`): its strided loops were faster
+than one ``memcpy`` per row through row views. Half rows still cost more per byte than whole
+chunks (``benchmarks/reshard_floor.py``).
 """
 
 from __future__ import annotations

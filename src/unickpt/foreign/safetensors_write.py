@@ -30,8 +30,7 @@ from ..engine.futures import SaveReport
 from ..errors import CheckpointError, CheckpointExistsError
 from ..format.dtypes import byte_view, dtype_from_name, itemsize
 from ..layouts.boxes import Box
-from ..planning.flatten import Flattened, flatten_state, rename_for_save
-from ..planning.load_keys import KeyMap
+from ..planning.flatten import Flattened, KeyMap, flatten_state, rename_for_save
 from ..planning.local_plan import local_plan
 from ..planning.save_plan import GlobalPlan, build_global_plan
 from ..storage.base import Storage

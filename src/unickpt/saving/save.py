@@ -14,7 +14,7 @@ from ..engine.futures import SaveFuture
 from ..engine.incremental import IncrementalSave
 from ..errors import CheckpointError
 from ..layouts.rules import LayoutMap
-from ..planning.load_keys import KeyMap
+from ..planning.flatten import KeyMap
 from ..storage.base import Storage
 from .queue import QUEUE
 
